@@ -1,0 +1,13 @@
+"""tf_adaptive_scale: adaptive, bounded, observable loss scaling for Keras 3."""
+
+from tf_adaptive_scale import clipping
+from tf_adaptive_scale import gradient_statistics
+from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaptiveLossScaleOptimizer",
+    "clipping",
+    "gradient_statistics",
+]

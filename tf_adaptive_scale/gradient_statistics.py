@@ -1,0 +1,146 @@
+"""Gradient magnitude statistics and the adaptive scale rule.
+
+The statistic is a histogram of float exponents, `floor(log2(|g|))`, over the
+nonzero finite values of one or more tensors: O(N), one pass, fixed size, and
+XLA-friendly (a segment sum). From it the rule reads the fraction of values
+that would fall below float16's smallest subnormal at any power-of-two scale,
+without a second pass over the gradients.
+
+All functions work on the last axis, so a stack of histograms (one row per
+tensor, as the per-layer scales need) goes through the same code.
+"""
+
+from keras import ops
+
+# Exponent bins: bin `i` counts values with floor(log2|g|) == i + EXPONENT_MIN;
+# values outside the range land in the first or last bin. The range covers
+# unscaled gradients from 2**-64 (below any float16 subnormal at scale 2**40)
+# up to 2**63.
+EXPONENT_MIN = -64
+NUM_BINS = 128
+
+FLOAT16_MAX = 65504.0
+# floor(log2(x)) < -24  <=>  x < 2**-24, float16's smallest subnormal.
+FLOAT16_SUBNORMAL_EXPONENT = -24
+
+
+def exponent_histogram(tensors):
+    """Counts the nonzero finite values of `tensors` by binary exponent.
+
+    Args:
+        tensors: A list of tensors (any shape, any float dtype).
+
+    Returns:
+        A tuple `(histogram, max_abs)`: a float32 vector of `NUM_BINS` counts,
+        and the largest finite |value| (0 when there is none).
+
+    Example:
+
+    >>> hist, max_abs = exponent_histogram([keras.ops.array([0.5, 3.0])])
+    >>> int(hist[-1 - EXPONENT_MIN]), int(hist[1 - EXPONENT_MIN])
+    (1, 1)
+    """
+    histogram = ops.zeros((NUM_BINS,), "float32")
+    max_abs = ops.zeros((), "float32")
+    for tensor in tensors:
+        magnitude = ops.abs(ops.cast(ops.reshape(tensor, (-1,)), "float32"))
+        counted = ops.logical_and(
+            ops.isfinite(magnitude), ops.greater(magnitude, 0.0)
+        )
+        safe = ops.where(counted, magnitude, 1.0)
+        exponent = ops.floor(ops.log2(safe)) - EXPONENT_MIN
+        bins = ops.cast(ops.clip(exponent, 0, NUM_BINS - 1), "int32")
+        histogram = histogram + ops.segment_sum(
+            ops.cast(counted, "float32"), bins, num_segments=NUM_BINS
+        )
+        max_abs = ops.maximum(
+            max_abs, ops.max(ops.where(counted, magnitude, 0.0))
+        )
+    return histogram, max_abs
+
+
+def underflow_fraction(histogram, log2_scale):
+    """Fraction of counted values below 2**-24 once multiplied by a scale.
+
+    Args:
+        histogram: Exponent histogram(s) of unscaled values, shape
+            `(..., NUM_BINS)`.
+        log2_scale: Integer-valued exponent(s) of the scale, shape `(...)`.
+
+    Returns:
+        The fraction of nonzero values that underflow float16, shape `(...)`
+        (0 where the histogram is empty).
+    """
+    below = _count_below(histogram, FLOAT16_SUBNORMAL_EXPONENT - log2_scale)
+    total = ops.sum(histogram, axis=-1)
+    return ops.where(total > 0, below / ops.maximum(total, 1.0), 0.0)
+
+
+def scale_bounds(histogram, max_abs, underflow_rate):
+    """The window of scale exponents a histogram allows.
+
+    Args:
+        histogram: Exponent histogram(s) of unscaled values, `(..., NUM_BINS)`.
+        max_abs: Largest unscaled |value|, shape `(...)`.
+        underflow_rate: Largest tolerated fraction of underflowing values.
+
+    Returns:
+        A tuple `(low, high)` of float32 exponents: `2**low` is the smallest
+        power-of-two scale at which at most `underflow_rate` of the nonzero
+        values fall below float16's smallest subnormal, and `2**high` the
+        largest at which `max_abs` stays at or below float16's maximum. A
+        global scale exists that satisfies both only where `low <= high`.
+    """
+    total = ops.sum(histogram, axis=-1, keepdims=True)
+    # cumulative[..., j]: values with exponent < j + EXPONENT_MIN.
+    cumulative = ops.cumsum(histogram, axis=-1) - histogram
+    allowed = ops.cast(cumulative <= underflow_rate * total, "float32")
+    # Exponents e with count(exponent < e) within the budget form a prefix;
+    # the largest such e is the lowest exponent that may stay representable.
+    lowest_kept = ops.sum(allowed, axis=-1) - 1.0 + EXPONENT_MIN
+    low = FLOAT16_SUBNORMAL_EXPONENT - lowest_kept
+    safe_max = ops.where(max_abs > 0, max_abs, 1.0)
+    high = ops.floor(ops.log2(FLOAT16_MAX / safe_max))
+    return low, high
+
+
+def adaptive_log2_scale(histogram, max_abs, underflow_rate, log2_headroom):
+    """The adaptive rule: the exponent of the scale to use next.
+
+    The largest power of two that keeps `headroom` between the largest value
+    and float16's maximum; where that leaves more than `underflow_rate` of the
+    values below float16's smallest subnormal, the headroom is given up as far
+    as needed, but never past the point where the largest value overflows.
+
+    Args:
+        histogram: Exponent histogram(s) of unscaled values, `(..., NUM_BINS)`.
+        max_abs: Largest unscaled |value|, shape `(...)`.
+        underflow_rate: Largest tolerated fraction of underflowing values.
+        log2_headroom: Exponent of the headroom factor.
+
+    Returns:
+        A tuple `(log2_scale, low, high)`: the chosen exponent (not yet
+        bounded by the optimizer's `min_scale`/`max_scale`) and the window from
+        `scale_bounds`.
+    """
+    low, high = scale_bounds(histogram, max_abs, underflow_rate)
+    log2_scale = ops.minimum(ops.maximum(high - log2_headroom, low), high)
+    return log2_scale, low, high
+
+
+def _count_below(histogram, exponent):
+    """Counts values whose binary exponent is below `exponent`."""
+    edges = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
+    below = ops.cast(edges < ops.expand_dims(exponent, -1), "float32")
+    return ops.sum(histogram * below, axis=-1)
+
+
+__all__ = [
+    "EXPONENT_MIN",
+    "NUM_BINS",
+    "FLOAT16_MAX",
+    "exponent_histogram",
+    "underflow_fraction",
+    "scale_bounds",
+    "adaptive_log2_scale",
+]

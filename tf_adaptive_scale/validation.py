@@ -1,0 +1,53 @@
+"""Argument checks that name the argument and what is allowed."""
+
+import math
+import numbers
+
+
+def positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an int >= 1. Received: {value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1. Received: {value}")
+    return int(value)
+
+
+def positive_float(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a positive float"
+            f"{' or None' if allow_none else ''}. Received: {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"`{name}` must be a positive finite float. Received: {value}"
+        )
+    return float(value)
+
+
+def power_of_two(name, value):
+    value = positive_float(name, value)
+    if math.frexp(value)[0] != 0.5:
+        raise ValueError(
+            f"`{name}` must be a power of two (e.g. 2**15). Received: {value}"
+        )
+    return value
+
+
+def open_unit_interval(name, value):
+    value = positive_float(name, value)
+    if not value < 1:
+        raise ValueError(
+            f"`{name}` must be in the open interval (0, 1). Received: {value}"
+        )
+    return value
+
+
+def one_of(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(
+            f"`{name}` must be one of {list(allowed)}. Received: {value!r}"
+        )
+    return value
