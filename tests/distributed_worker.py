@@ -1,0 +1,298 @@
+"""Subprocess body for tests/test_distribution.py (not a test module itself).
+
+Splits the one physical CPU into two logical devices *before* TensorFlow
+initialises, runs the requested scenarios under a two-replica
+`tf.distribute.MirroredStrategy` and prints one JSON object, keyed by scenario,
+on its last stdout line. A scenario that raises reports
+`{"error": "<traceback>"}` instead of its results, so the other scenarios in
+the same process still report.
+
+Usage: python tests/distributed_worker.py [scenario ...]   (default: all)
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Must happen before anything initialises the TensorFlow runtime.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration()] * 2,
+)
+
+import keras  # noqa: E402
+
+import tf_adaptive_scale as tas  # noqa: E402
+
+CPUS = ["/cpu:0", "/cpu:1"]
+FEATURES = 3
+
+
+def make_model():
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(4, name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+def initial_weights(seed=0):
+    keras.utils.set_random_seed(seed)
+    return make_model().get_weights()
+
+
+def _value(variable):
+    """A scalar variable's value (stock Keras' `aggregation="none"` variables
+    are `MirroredVariable`s under a strategy, which `float()` rejects)."""
+    return np.asarray(tf.convert_to_tensor(variable)).item()
+
+
+def finite_weights(model):
+    return all(bool(np.all(np.isfinite(w))) for w in model.get_weights())
+
+
+# ---------------------------------------------------------------------------
+# Scenario 1: a non-finite gradient on replica 1 only (custom strategy.run).
+# ---------------------------------------------------------------------------
+
+def overflow_replica_one():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _overflow_replica_one()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _overflow_replica_one():
+    strategy = tf.distribute.MirroredStrategy(CPUS)
+    assert strategy.num_replicas_in_sync == 2
+    per_replica = 2
+    global_batch = 2 * per_replica
+    weights0 = initial_weights()
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
+    y = rng.uniform(-1.0, 1.0, (global_batch, 1)).astype("float32")
+    x[per_replica:] = 1e4  # second half only: replica 1's shard
+    clean_x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
+
+    def shard(array):
+        # Replica i gets rows [i * per_replica, (i + 1) * per_replica).
+        def value_fn(ctx):
+            i = ctx.replica_id_in_sync_group
+            return tf.constant(array[i * per_replica : (i + 1) * per_replica])
+
+        return strategy.experimental_distribute_values_from_function(value_fn)
+
+    def replica_id_fn(ctx):
+        return tf.constant(ctx.replica_id_in_sync_group, "int32")
+
+    dist_x, dist_y = shard(x), shard(y)
+    dist_clean_x = shard(clean_x)
+    replica_ids = strategy.experimental_distribute_values_from_function(
+        replica_id_fn
+    )
+    shard_max = [
+        float(np.max(np.abs(t.numpy())))
+        for t in strategy.experimental_local_results(dist_x)
+    ]
+
+    def run(make_optimizer, extra_clean_step):
+        with strategy.scope():
+            model = make_model()
+            model.set_weights(weights0)
+            opt = make_optimizer()
+            opt.build(model.trainable_variables)
+
+        @tf.function(jit_compile=False)
+        def train_step(xs, ys, ids):
+            def step(xb, yb, rid):
+                with tf.GradientTape() as tape:
+                    pred = tf.cast(model(xb, training=True), "float32")
+                    per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
+                    loss = tf.nn.compute_average_loss(
+                        per_example, global_batch_size=global_batch
+                    )
+                    scaled = opt.scale_loss(loss)
+                grads = tape.gradient(scaled, model.trainable_variables)
+                finite = tf.reduce_all(
+                    [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+                )
+                opt.apply(grads, model.trainable_variables)
+                return rid, finite
+
+            return strategy.run(step, args=(xs, ys, ids))
+
+        before = [w.copy() for w in model.get_weights()]
+        rids, finite = train_step(dist_x, dist_y, replica_ids)
+        after = model.get_weights()
+        result = {
+            "replica_ids": [
+                int(t) for t in strategy.experimental_local_results(rids)
+            ],
+            "local_grads_finite": [
+                bool(t) for t in strategy.experimental_local_results(finite)
+            ],
+            "weights_finite": finite_weights(model),
+            "weights_bitwise_unchanged": all(
+                np.array_equal(a, b) for a, b in zip(before, after)
+            ),
+            "loss_scale": float(_value(opt.dynamic_scale)),
+            "iterations": int(_value(opt.iterations)),
+        }
+        if extra_clean_step:
+            result.update(
+                {
+                    "skipped_steps": int(_value(opt.skipped_steps)),
+                    "total_steps": int(_value(opt.total_steps)),
+                    "last_step_finite": bool(_value(opt.last_step_finite)),
+                }
+            )
+            # A clean step on both replicas afterwards is applied as usual.
+            train_step(dist_clean_x, dist_y, replica_ids)
+            result["after_clean_step"] = {
+                "weights_finite": finite_weights(model),
+                "weights_changed": any(
+                    not np.array_equal(a, b)
+                    for a, b in zip(after, model.get_weights())
+                ),
+                "iterations": int(_value(opt.iterations)),
+                "skipped_steps": int(_value(opt.skipped_steps)),
+                "total_steps": int(_value(opt.total_steps)),
+                "loss_scale": float(_value(opt.dynamic_scale)),
+            }
+        return result
+
+    stock = run(
+        lambda: keras.mixed_precision.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1)
+        ),
+        extra_clean_step=False,
+    )
+    adaptive = run(
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), scaling="dynamic"
+        ),
+        extra_clean_step=True,
+    )
+    return {"shard_max_abs": shard_max, "stock": stock, "adaptive": adaptive}
+
+
+# ---------------------------------------------------------------------------
+# Scenarios 2 and 3: model.fit under the strategy vs. one device.
+# ---------------------------------------------------------------------------
+
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+def _fit_data(seed):
+    rng = np.random.default_rng(seed)
+    n = STEPS * GLOBAL_BATCH
+    x = rng.normal(0.0, 1.0, (n, FEATURES)).astype("float32")
+    y = (x @ np.array([[2.0], [-3.0], [1.5]], "float32") + 4.0).astype(
+        "float32"
+    )
+    return x, y
+
+
+def _fit(strategy, weights0, make_optimizer, x, y):
+    scope = strategy.scope() if strategy is not None else _null_scope()
+    with scope:
+        model = make_model()
+        model.set_weights(weights0)
+        opt = make_optimizer()
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    history = model.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0
+    )
+    return model, opt, history.history["loss"]
+
+
+class _null_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _equivalence(policy, make_optimizer, seed):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        strategy = tf.distribute.MirroredStrategy(CPUS)
+        assert strategy.num_replicas_in_sync == 2
+        weights0 = initial_weights(seed)
+        x, y = _fit_data(seed)
+        runs = {}
+        for name, strat in (("mirrored", strategy), ("single", None)):
+            model, opt, losses = _fit(strat, weights0, make_optimizer, x, y)
+            runs[name] = {
+                "weights": [w.tolist() for w in model.get_weights()],
+                "losses": [float(v) for v in losses],
+                "gradient_norm": float(_value(opt.gradient_norm)),
+                "gradient_max": float(_value(opt.gradient_max)),
+                "clipped_steps": int(_value(opt.clipped_steps)),
+                "loss_scale": float(_value(opt.loss_scale)),
+                "total_steps": int(_value(opt.total_steps)),
+                "skipped_steps": int(_value(opt.skipped_steps)),
+                "iterations": int(_value(opt.iterations)),
+                "weights_changed": any(
+                    not np.array_equal(a, b)
+                    for a, b in zip(weights0, model.get_weights())
+                ),
+            }
+        return runs
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def equivalence_dynamic_clipnorm():
+    return _equivalence(
+        "float32",
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), scaling="dynamic", global_clipnorm=0.5
+        ),
+        seed=1,
+    )
+
+
+def equivalence_adaptive_fp16():
+    return _equivalence(
+        "mixed_float16",
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), scaling="adaptive", update_every=1
+        ),
+        seed=2,
+    )
+
+
+SCENARIOS = {
+    "overflow_replica_one": overflow_replica_one,
+    "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
+    "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
+}
+
+
+def main(names):
+    results = {"meta": {"steps": STEPS, "global_batch": GLOBAL_BATCH}}
+    for name in names or SCENARIOS:
+        try:
+            results[name] = SCENARIOS[name]()
+        except Exception:  # reported to the test, which fails with it
+            results[name] = {"error": traceback.format_exc()}
+    sys.stdout.flush()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,104 @@
+"""The exponent histogram and the adaptive rule against numpy references."""
+
+import numpy as np
+import pytest
+from keras import ops
+
+from tf_adaptive_scale import gradient_statistics as stats
+
+
+def numpy_histogram(values):
+    a = np.abs(np.asarray(values, np.float64).ravel())
+    a = a[np.isfinite(a) & (a > 0)]
+    bins = np.clip(np.floor(np.log2(a)) - stats.EXPONENT_MIN, 0, stats.NUM_BINS - 1)
+    return np.bincount(bins.astype(int), minlength=stats.NUM_BINS), a.max(initial=0)
+
+
+def test_histogram_matches_numpy_and_ignores_zero_and_non_finite():
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(1000) * 2.0 ** rng.integers(-40, 10, 1000)).astype("float32")
+    b = np.array([[0.0, np.inf, -np.nan, 3.0], [1e-30, -2.0**-70, 2.0**70, 0.0]], "float32")
+    hist, max_abs = stats.exponent_histogram([ops.array(a), ops.array(b)])
+    expected, expected_max = numpy_histogram(np.concatenate([a, b.ravel()]))
+    np.testing.assert_array_equal(np.asarray(hist), expected)
+    assert float(max_abs) == pytest.approx(float(expected_max))
+    assert float(np.sum(hist)) == 1000 + 4  # zeros, inf and nan not counted
+
+
+def test_histogram_of_float16_tensor():
+    x = np.array([2.0**-24, 2.0**-14, 65504.0], "float16")
+    hist, max_abs = stats.exponent_histogram([ops.array(x)])
+    for e in (-24, -14, 15):
+        assert hist[e - stats.EXPONENT_MIN] == 1
+    assert float(max_abs) == 65504.0
+
+
+def known_distribution():
+    """1000 values: 10 at 2**-40, 90 at 2**-30, 900 at 2**-10, max 1.5*2**-3."""
+    values = np.concatenate(
+        [np.full(10, 2.0**-40), np.full(90, 2.0**-30), np.full(899, 2.0**-10), [1.5 * 2.0**-3]]
+    ).astype("float32")
+    return stats.exponent_histogram([ops.array(values)])
+
+
+def test_scale_bounds_on_known_distribution():
+    hist, max_abs = known_distribution()
+    # At most 1% may underflow: the 10 values at 2**-40 may, the 90 at 2**-30
+    # may not, so 2**-30 * 2**k >= 2**-24 -> k >= 6.
+    low, high = stats.scale_bounds(hist, max_abs, 0.01)
+    assert float(low) == 6
+    # 1.5 * 2**-3 * 2**k <= 65504 -> k <= 18 (1.5 * 2**15 = 49152; 2**16 overflows).
+    assert float(high) == 18
+    # At 0.1% even the 10 smallest values count: 2**-40 * 2**k >= 2**-24 -> k >= 16.
+    low, _ = stats.scale_bounds(hist, max_abs, 1e-3)
+    assert float(low) == 16
+    # At 20% the 90 may underflow too: k >= -24 + 10 = -14.
+    low, _ = stats.scale_bounds(hist, max_abs, 0.2)
+    assert float(low) == -14
+
+
+@pytest.mark.parametrize(
+    "rate, log2_headroom, expected",
+    [
+        (0.01, 4, 14),  # window [6, 18]: keep headroom 2**4 -> 18 - 4
+        (1e-3, 4, 16),  # window [16, 18]: headroom given up to meet the rate
+        (1e-3, 0, 18),  # no headroom asked
+        (1e-4, 4, 16),  # budget 0.1 values: nothing may underflow -> 2**-40 * 2**16 = 2**-24
+    ],
+)
+def test_adaptive_rule_picks_predicted_scale(rate, log2_headroom, expected):
+    hist, max_abs = known_distribution()
+    log2_scale, _, high = stats.adaptive_log2_scale(hist, max_abs, rate, log2_headroom)
+    assert float(log2_scale) == expected
+    assert float(log2_scale) <= float(high)
+
+
+def test_no_window_when_range_exceeds_float16():
+    values = np.array([2.0**-40] * 50 + [2.0**10] * 50, "float32")
+    hist, max_abs = stats.exponent_histogram([ops.array(values)])
+    log2_scale, low, high = stats.adaptive_log2_scale(hist, max_abs, 1e-3, 4)
+    assert float(low) == 16 and float(high) == 5  # no global scale fits
+    assert float(log2_scale) == 5  # overflow wins: never past the max
+    # Half the values underflow at the chosen scale.
+    assert float(stats.underflow_fraction(hist, log2_scale)) == 0.5
+
+
+def test_underflow_fraction_matches_float16_cast():
+    rng = np.random.default_rng(1)
+    g = (rng.standard_normal(4096) * 2.0 ** rng.integers(-36, -4, 4096)).astype("float32")
+    hist, _ = stats.exponent_histogram([ops.array(g)])
+    for k in (0, 4, 8, 12):
+        scaled = g * 2.0**k
+        lost = np.mean(np.abs(scaled) < 2.0**-24)
+        assert float(stats.underflow_fraction(hist, float(k))) == pytest.approx(lost)
+
+
+def test_rule_is_vectorized_over_rows():
+    hist, max_abs = known_distribution()
+    stacked = ops.stack([hist, hist * 2])
+    log2_scale, low, high = stats.adaptive_log2_scale(
+        stacked, ops.stack([max_abs, max_abs * 8]), 0.01, 4
+    )
+    np.testing.assert_array_equal(np.asarray(low), [6, 6])
+    np.testing.assert_array_equal(np.asarray(high), [18, 15])
+    np.testing.assert_array_equal(np.asarray(log2_scale), [14, 11])
