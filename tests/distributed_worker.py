@@ -64,32 +64,54 @@ def finite_weights(model):
 # Scenario 1: a non-finite gradient on replica 1 only (custom strategy.run).
 # ---------------------------------------------------------------------------
 
-def overflow_replica_one():
+PER_REPLICA = 2
+
+
+def overflow_stock():
+    """Stock Keras LossScaleOptimizer on the replica-1-only overflow."""
+    return _overflow(
+        lambda: keras.mixed_precision.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1)
+        ),
+        extra_clean_step=False,
+    )
+
+
+def overflow_adaptive():
+    """AdaptiveLossScaleOptimizer on the replica-1-only overflow."""
+    return _overflow(
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), scaling="dynamic"
+        ),
+        extra_clean_step=True,
+    )
+
+
+def _overflow(make_optimizer, extra_clean_step):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        return _overflow_replica_one()
+        return _overflow_step(make_optimizer, extra_clean_step)
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _overflow_replica_one():
+def _overflow_step(make_optimizer, extra_clean_step):
     strategy = tf.distribute.MirroredStrategy(CPUS)
     assert strategy.num_replicas_in_sync == 2
-    per_replica = 2
-    global_batch = 2 * per_replica
+    global_batch = 2 * PER_REPLICA
     weights0 = initial_weights()
 
     rng = np.random.default_rng(0)
     x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
     y = rng.uniform(-1.0, 1.0, (global_batch, 1)).astype("float32")
-    x[per_replica:] = 1e4  # second half only: replica 1's shard
+    x[PER_REPLICA:] = 1e4  # second half only: replica 1's shard
     clean_x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
 
     def shard(array):
-        # Replica i gets rows [i * per_replica, (i + 1) * per_replica).
+        # Replica i gets rows [i * PER_REPLICA, (i + 1) * PER_REPLICA).
         def value_fn(ctx):
             i = ctx.replica_id_in_sync_group
-            return tf.constant(array[i * per_replica : (i + 1) * per_replica])
+            return tf.constant(array[i * PER_REPLICA : (i + 1) * PER_REPLICA])
 
         return strategy.experimental_distribute_values_from_function(value_fn)
 
@@ -101,90 +123,70 @@ def _overflow_replica_one():
     replica_ids = strategy.experimental_distribute_values_from_function(
         replica_id_fn
     )
-    shard_max = [
-        float(np.max(np.abs(t.numpy())))
-        for t in strategy.experimental_local_results(dist_x)
-    ]
 
-    def run(make_optimizer, extra_clean_step):
-        with strategy.scope():
-            model = make_model()
-            model.set_weights(weights0)
-            opt = make_optimizer()
-            opt.build(model.trainable_variables)
+    with strategy.scope():
+        model = make_model()
+        model.set_weights(weights0)
+        opt = make_optimizer()
+        opt.build(model.trainable_variables)
 
-        @tf.function(jit_compile=False)
-        def train_step(xs, ys, ids):
-            def step(xb, yb, rid):
-                with tf.GradientTape() as tape:
-                    pred = tf.cast(model(xb, training=True), "float32")
-                    per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
-                    loss = tf.nn.compute_average_loss(
-                        per_example, global_batch_size=global_batch
-                    )
-                    scaled = opt.scale_loss(loss)
-                grads = tape.gradient(scaled, model.trainable_variables)
-                finite = tf.reduce_all(
-                    [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+    @tf.function(jit_compile=False)
+    def train_step(xs, ys, ids):
+        def step(xb, yb, rid):
+            with tf.GradientTape() as tape:
+                pred = tf.cast(model(xb, training=True), "float32")
+                per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
+                loss = tf.nn.compute_average_loss(
+                    per_example, global_batch_size=global_batch
                 )
-                opt.apply(grads, model.trainable_variables)
-                return rid, finite
-
-            return strategy.run(step, args=(xs, ys, ids))
-
-        before = [w.copy() for w in model.get_weights()]
-        rids, finite = train_step(dist_x, dist_y, replica_ids)
-        after = model.get_weights()
-        result = {
-            "replica_ids": [
-                int(t) for t in strategy.experimental_local_results(rids)
-            ],
-            "local_grads_finite": [
-                bool(t) for t in strategy.experimental_local_results(finite)
-            ],
-            "weights_finite": finite_weights(model),
-            "weights_bitwise_unchanged": all(
-                np.array_equal(a, b) for a, b in zip(before, after)
-            ),
-            "loss_scale": float(_value(opt.dynamic_scale)),
-            "iterations": int(_value(opt.iterations)),
-        }
-        if extra_clean_step:
-            result.update(
-                {
-                    "skipped_steps": int(_value(opt.skipped_steps)),
-                    "total_steps": int(_value(opt.total_steps)),
-                    "last_step_finite": bool(_value(opt.last_step_finite)),
-                }
+                scaled = opt.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            finite = tf.reduce_all(
+                [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
             )
-            # A clean step on both replicas afterwards is applied as usual.
-            train_step(dist_clean_x, dist_y, replica_ids)
-            result["after_clean_step"] = {
-                "weights_finite": finite_weights(model),
-                "weights_changed": any(
-                    not np.array_equal(a, b)
-                    for a, b in zip(after, model.get_weights())
-                ),
-                "iterations": int(_value(opt.iterations)),
+            opt.apply(grads, model.trainable_variables)
+            return rid, finite, tf.reduce_max(tf.abs(xb))
+
+        return strategy.run(step, args=(xs, ys, ids))
+
+    before = [w.copy() for w in model.get_weights()]
+    rids, finite, x_max = train_step(dist_x, dist_y, replica_ids)
+    after = model.get_weights()
+    local = strategy.experimental_local_results
+    result = {
+        # What each replica saw, recorded inside strategy.run.
+        "replica_ids": [int(t) for t in local(rids)],
+        "shard_max_abs": [float(t) for t in local(x_max)],
+        "local_grads_finite": [bool(t) for t in local(finite)],
+        "weights_finite": finite_weights(model),
+        "weights_bitwise_unchanged": all(
+            np.array_equal(a, b) for a, b in zip(before, after)
+        ),
+        "loss_scale": float(_value(opt.dynamic_scale)),
+        "iterations": int(_value(opt.iterations)),
+    }
+    if extra_clean_step:
+        result.update(
+            {
                 "skipped_steps": int(_value(opt.skipped_steps)),
                 "total_steps": int(_value(opt.total_steps)),
-                "loss_scale": float(_value(opt.dynamic_scale)),
+                "last_step_finite": bool(_value(opt.last_step_finite)),
             }
-        return result
-
-    stock = run(
-        lambda: keras.mixed_precision.LossScaleOptimizer(
-            keras.optimizers.SGD(0.1)
-        ),
-        extra_clean_step=False,
-    )
-    adaptive = run(
-        lambda: tas.AdaptiveLossScaleOptimizer(
-            keras.optimizers.SGD(0.1), scaling="dynamic"
-        ),
-        extra_clean_step=True,
-    )
-    return {"shard_max_abs": shard_max, "stock": stock, "adaptive": adaptive}
+        )
+        # A clean step on both replicas afterwards is applied as usual.
+        train_step(dist_clean_x, dist_y, replica_ids)
+        result["after_clean_step"] = {
+            "weights_finite": finite_weights(model),
+            "weights_changed": any(
+                not np.array_equal(a, b)
+                for a, b in zip(after, model.get_weights())
+            ),
+            "iterations": int(_value(opt.iterations)),
+            "skipped_steps": int(_value(opt.skipped_steps)),
+            "total_steps": int(_value(opt.total_steps)),
+            "loss_scale": float(_value(opt.dynamic_scale)),
+        }
+    return result
 
 
 # ---------------------------------------------------------------------------
@@ -277,7 +279,8 @@ def equivalence_adaptive_fp16():
 
 
 SCENARIOS = {
-    "overflow_replica_one": overflow_replica_one,
+    "overflow_stock": overflow_stock,
+    "overflow_adaptive": overflow_adaptive,
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
 }
