@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+from contextlib import nullcontext
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -51,8 +52,12 @@ def initial_weights(seed=0):
 
 
 def _value(variable):
-    """A scalar variable's value (stock Keras' `aggregation="none"` variables
-    are `MirroredVariable`s under a strategy, which `float()` rejects)."""
+    """A scalar variable's value as a Python number.
+
+    `int(v)`/`float(v)` fail on any Keras variable created under a strategy
+    scope (its `.value` is a `MirroredVariable`): a Keras limitation that hits
+    stock optimizers' `iterations` too.
+    """
     return np.asarray(tf.convert_to_tensor(variable)).item()
 
 
@@ -128,6 +133,11 @@ def _overflow_step(make_optimizer, extra_clean_step):
         model = make_model()
         model.set_weights(weights0)
         opt = make_optimizer()
+        # Built here, eagerly: building lazily in the first `apply` inside
+        # strategy.run in a tf.function fails under MirroredStrategy for stock
+        # Keras and this optimizer alike ("You must feed a value for
+        # placeholder tensor 'cond/else/_1/cond/Placeholder'"). model.fit
+        # builds the optimizer before tracing, so it is not affected.
         opt.build(model.trainable_variables)
 
     @tf.function(jit_compile=False)
@@ -208,7 +218,7 @@ def _fit_data(seed):
 
 
 def _fit(strategy, weights0, make_optimizer, x, y):
-    scope = strategy.scope() if strategy is not None else _null_scope()
+    scope = strategy.scope() if strategy is not None else nullcontext()
     with scope:
         model = make_model()
         model.set_weights(weights0)
@@ -218,14 +228,6 @@ def _fit(strategy, weights0, make_optimizer, x, y):
         x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0
     )
     return model, opt, history.history["loss"]
-
-
-class _null_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _equivalence(policy, make_optimizer, seed):

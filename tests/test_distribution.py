@@ -86,7 +86,8 @@ def _results():
 def _scenario(name):
     result = _results()[name]
     if "error" in result:
-        pytest.fail(f"scenario {name!r} raised in the worker:\n{result['error']}")
+        pytest.fail(f"scenario {name!r} raised in the worker:\n"
+                    f"{result['error']}")
     return result
 
 

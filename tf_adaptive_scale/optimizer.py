@@ -480,6 +480,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             "AdaptiveLossScaleOptimizer supports the TensorFlow backend only."
         )
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # The parent pops from `config`; leave the caller's dict intact.
+        return super().from_config(dict(config), custom_objects=custom_objects)
+
     def get_config(self):
         config = super().get_config()
         config.update(
