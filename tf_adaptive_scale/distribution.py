@@ -45,10 +45,14 @@ def run_step(step_fn, inner_apply, grads, variables):
 
         def apply_on_every_replica(applied):
             # The inner optimizer all-reduces (sums) again: hand each replica
-            # an equal share so that the sum is the decided gradient.
-            share = [g / replicas for g in applied]
+            # an equal share so that the sum is the decided gradient. Each
+            # replica makes its own share: one tensor passed to all replicas
+            # would be merged back into a value with no device to reduce to.
+            def apply_share(applied):
+                inner_apply([g / replicas for g in applied], variables)
+
             strategy.extended.call_for_each_replica(
-                inner_apply, args=(share, variables)
+                apply_share, args=(applied,)
             )
 
         step_fn(local, apply_on_every_replica)

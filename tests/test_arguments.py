@@ -1,0 +1,62 @@
+"""Every argument is validated, naming the argument and what is allowed."""
+
+import pytest
+import keras
+
+import tf_adaptive_scale as tas
+
+
+def make(**kwargs):
+    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(scaling="auto"), ValueError, "`scaling` must be one of"),
+        (dict(initial_scale=-1.0), ValueError, "`initial_scale` must be a positive"),
+        (dict(initial_scale=3.0), ValueError, "`initial_scale` must be a power of two"),
+        (dict(initial_scale=float("inf")), ValueError, "`initial_scale`"),
+        (dict(initial_scale="big"), TypeError, "`initial_scale`"),
+        (dict(min_scale=0.0), ValueError, "`min_scale`"),
+        (dict(max_scale=2.0**10), ValueError, "min_scale <= initial_scale <= max_scale"),
+        (dict(min_scale=2.0**16), ValueError, "min_scale <= initial_scale <= max_scale"),
+        (dict(dynamic_growth_steps=0), ValueError, "`dynamic_growth_steps` must be an int >= 1"),
+        (dict(dynamic_growth_steps=2.5), TypeError, "`dynamic_growth_steps`"),
+        (dict(hysteresis=0), ValueError, "`hysteresis`"),
+        (dict(update_every=True), TypeError, "`update_every`"),
+        (dict(underflow_rate=0.0), ValueError, "`underflow_rate`"),
+        (dict(underflow_rate=1.0), ValueError, r"`underflow_rate` must be in the open interval \(0, 1\)"),
+        (dict(headroom=0.5), ValueError, "`headroom` must be >= 1"),
+        (dict(headroom=3.0), ValueError, "`headroom` must be a power of two"),
+        (dict(clipnorm=-1.0), ValueError, "`clipnorm`"),
+        (dict(clipvalue=0), ValueError, "`clipvalue`"),
+        (dict(global_clipnorm="1"), TypeError, "`global_clipnorm`"),
+        (dict(autoclip_percentile=0), ValueError, "`autoclip_percentile`"),
+        (dict(autoclip_percentile=101), ValueError, r"`autoclip_percentile` must be in \(0, 100\]"),
+        (dict(autoclip_window=0), ValueError, "`autoclip_window`"),
+        (dict(autoclip_per_variable=1), TypeError, "`autoclip_per_variable` must be a bool"),
+        (dict(agc_factor=-0.01), ValueError, "`agc_factor`"),
+        (dict(agc_eps=0.0), ValueError, "`agc_eps`"),
+        (dict(weight_decay=0.1), ValueError, "does not support `weight_decay`"),
+        (dict(bogus=1), ValueError, "does not support arguments: `bogus`"),
+    ],
+)
+def test_bad_argument_is_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        make(**kwargs)
+
+
+def test_inner_optimizer_must_be_a_plain_keras_optimizer():
+    with pytest.raises(TypeError, match="`inner_optimizer` must be a keras.optimizers.Optimizer"):
+        tas.AdaptiveLossScaleOptimizer("adam")
+    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        tas.AdaptiveLossScaleOptimizer(stock)
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        tas.AdaptiveLossScaleOptimizer(make())
+
+
+def test_valid_edge_values_are_accepted():
+    opt = make(initial_scale=1, min_scale=1, max_scale=1, headroom=1, autoclip_percentile=100)
+    assert opt.min_scale == opt.max_scale == 1.0
