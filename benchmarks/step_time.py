@@ -71,8 +71,9 @@ import tensorflow as tf  # noqa: E402
 
 try:
     import tf_adaptive_scale as tas
-except ImportError:  # run as `python benchmarks/step_time.py` without PYTHONPATH
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+except ImportError:  # `python benchmarks/step_time.py` without PYTHONPATH
+    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, _ROOT)
     import tf_adaptive_scale as tas
 
 BATCH = 128
@@ -88,7 +89,9 @@ VARIANTS = {
     "stock": lambda: keras.mixed_precision.LossScaleOptimizer(
         keras.optimizers.Adam()
     ),
-    "adaptive": lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
+    "adaptive": lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam()
+    ),
     "adaptive_every_step": lambda: tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(), update_every=1
     ),
@@ -161,7 +164,7 @@ def make_dataset(steps, seed):
 def build_model(seed):
     keras.utils.set_random_seed(seed)
     layers = [keras.Input((INPUT_DIM,))]
-    layers += [keras.layers.Dense(units, activation="relu") for units in HIDDEN]
+    layers += [keras.layers.Dense(n, activation="relu") for n in HIDDEN]
     layers += [
         keras.layers.Dense(CLASSES),
         # Softmax in float32, as the mixed-precision guide recommends.
@@ -171,7 +174,7 @@ def build_model(seed):
 
 
 def count_traces(model, counter, name):
-    """Counts traces of `train_step` (its Python body only runs when traced)."""
+    """Counts traces of `train_step` (its Python body runs only on tracing)."""
     train_step = model.train_step
 
     def counted(data):
@@ -296,7 +299,8 @@ def main(argv=None):
     print()
     for name in args.variants:
         if name != BASELINE:
-            print(f"ratio {name}/{BASELINE}: {results[name]['median_ratio']:.3f}")
+            ratio = results[name]["median_ratio"]
+            print(f"ratio {name}/{BASELINE}: {ratio:.3f}")
 
     warnings = []
     if retraced:
