@@ -7,10 +7,12 @@ from keras import ops
 
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import distribution
+from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import validation
 
-SCALING_MODES = ("adaptive", "dynamic", "static", "none")
+SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -205,7 +207,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # The scale exists before `build` so that `scale_loss` reads a
         # variable from the first trace on (no retrace once built).
         self.dynamic_scale = self._state(
-            "dynamic_scale", 1.0 if self.mode == "none" else initial_scale
+            "dynamic_scale",
+            1.0 if self.mode in ("none", "per_layer") else initial_scale,
         )
         self._gradients_unscaled = False
 
@@ -269,7 +272,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Returns:
             The scaled loss (the loss itself when scaling is `"none"`).
         """
-        if self.mode == "none":
+        if self.mode in ("none", "per_layer"):
             return loss
         return loss * ops.cast(self.dynamic_scale, loss.dtype)
 
@@ -311,52 +314,161 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ]
         if not pairs:
             return
-        grads, variables = (list(x) for x in zip(*pairs))
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
+        table, pairs = self._split_scale_table(pairs)
+        grads, variables = (list(x) for x in zip(*pairs))
         scaled = not self._gradients_unscaled
         self._gradients_unscaled = False
         distribution.run_step(
-            lambda g, apply_fn: self._step(g, variables, apply_fn, scaled),
+            lambda g, apply_fn: self._step(g, variables, apply_fn, scaled, table),
             self.inner_optimizer.apply,
             grads,
-            variables,
+            variables[: len(variables) - (table is not None)],
         )
 
-    def _step(self, grads, variables, apply_fn, scaled):
+    def _split_scale_table(self, pairs):
+        """Moves the statistics of an instrumented model's ScaleTable last."""
+        tables = [p for p in pairs if hasattr(p[1], "scale_table")]
+        rest = [p for p in pairs if not hasattr(p[1], "scale_table")]
+        if self.mode == "per_layer" and len(tables) != 1:
+            raise ValueError(
+                "scaling='per_layer' needs the gradients of a model made by "
+                "tas.instrument(model), including its `statistics` variable "
+                "(pass all of model.trainable_variables)."
+            )
+        if self.mode != "per_layer" and tables:
+            raise ValueError(
+                "These gradients come from an instrumented model (per-layer "
+                "scales): use AdaptiveLossScaleOptimizer(..., "
+                f"scaling='per_layer'), not scaling={self.mode!r}."
+            )
+        if not tables:
+            return None, rest
+        for _, v in rest:
+            if not hasattr(v, "gradient_scale_unit"):
+                raise ValueError(
+                    f"Variable {v.path} is not a weight of the instrumented "
+                    "model: its gradient scale is unknown."
+                )
+        table = tables[0][1].scale_table
+        self._scale_table = table
+        return table, rest + tables
+
+    def layer_scales(self):
+        """The current per-layer scales by layer name (per-layer mode).
+
+        Returns:
+            A dict of Python floats; empty before the first step.
+        """
+        table = getattr(self, "_scale_table", None)
+        return {} if table is None else table.scales()
+
+    def _step(self, grads, variables, apply_fn, scaled, table):
         """One step on the (replica-summed) gradients."""
-        finite = self.check_finite(grads)
+        if table is not None:
+            *grads, table_grad = grads
+            variables = variables[:-1]
+        regular = [
+            i
+            for i, v in enumerate(variables)
+            if not self._overwrite_variable_with_gradient(v)
+        ]
         scale = ops.convert_to_tensor(self.dynamic_scale)
+        finite = self.check_finite(grads)
+        if table is None:
+            divisors = {i: scale for i in regular}
+            measure = ops.equal(self.steps_since_update, 0)
+        else:
+            units = [variables[i].gradient_scale_unit for i in regular]
+            unit_scales = ops.power(2.0, ops.convert_to_tensor(table.log2_scales))
+            divisors = {i: unit_scales[u] for i, u in zip(regular, units)}
+            flags = table_grad[:, gradient_scale.PRODUCED_NON_FINITE :]
+            finite = ops.logical_and(finite, ops.all(flags == 0))
+            measure = table.measure > 0
 
         def on_finite():
             unscaled = [
-                g
-                if self._overwrite_variable_with_gradient(v) or not scaled
-                else g / ops.cast(scale, g.dtype)
-                for g, v in zip(grads, variables)
+                g / ops.cast(divisors[i], g.dtype)
+                if i in divisors and scaled
+                else g
+                for i, g in enumerate(grads)
             ]
-            regular = [
-                i
-                for i, v in enumerate(variables)
-                if not self._overwrite_variable_with_gradient(v)
-            ]
-            ops.cond(
-                ops.equal(self.steps_since_update, 0),
-                lambda: self._measure([unscaled[i] for i in regular], scale),
-                lambda: None,
-            )
-            clipped = self._clip(
-                [unscaled[i] for i in regular], [variables[i] for i in regular]
-            )
+            regular_grads = [unscaled[i] for i in regular]
+
+            def measure_step():
+                self._measure(regular_grads, scale)
+                if table is not None:
+                    self._update_layer_scales(table, table_grad, regular_grads, units)
+
+            ops.cond(measure, measure_step, lambda: None)
+            clipped = self._clip(regular_grads, [variables[i] for i in regular])
             for i, g in zip(regular, clipped):
                 unscaled[i] = g
             apply_fn(unscaled)
-            self._after_finite_step()
+            self._after_finite_step(table)
 
-        ops.cond(finite, on_finite, self._after_non_finite_step)
+        def on_non_finite():
+            self._after_non_finite_step(table)
+            if table is not None:
+                non_finite = ops.stack(
+                    [
+                        ops.cast(ops.logical_not(ops.all(ops.isfinite(grads[i]))), "float32")
+                        for i in regular
+                    ]
+                )
+                self._back_off_layer_scales(
+                    table,
+                    layer_scaling.overflow_origins(
+                        table_grad,
+                        layer_scaling.per_unit_max(
+                            non_finite, units, len(table.unit_names)
+                        )
+                        > 0,
+                    ),
+                )
+
+        ops.cond(finite, on_finite, on_non_finite)
         self.total_steps.assign_add(1)
         self.last_step_finite.assign(finite)
+        if table is not None:
+            # Kept on skipped steps too: they show where the overflow was.
+            table.statistics.assign(table_grad)
+            table.measure.assign(
+                ops.cast(ops.equal(self.steps_since_update, 0), "float32")
+            )
+
+    def _update_layer_scales(self, table, statistics, unscaled, units):
+        """Sets every unit's scale from this backward pass's statistics."""
+        weight_max = layer_scaling.per_unit_max(
+            ops.stack([ops.max(ops.abs(g)) for g in unscaled]),
+            units,
+            len(table.unit_names),
+        )
+        table.log2_scales.assign(
+            layer_scaling.layer_log2_scales(
+                statistics,
+                weight_max,
+                table.log2_scales,
+                table.log2_ceilings,
+                self.underflow_rate,
+                math.log2(self.headroom),
+                math.log2(self.min_scale),
+                math.log2(self.max_scale),
+            )
+        )
+
+    def _back_off_layer_scales(self, table, origins):
+        """Halves the scales of the units where the overflow started."""
+        back_off = ops.logical_and(
+            origins, ops.equal(self.overflow_streak, 0)  # hysteresis reached
+        )
+        lowered = ops.maximum(table.log2_scales - 1.0, math.log2(self.min_scale))
+        table.log2_scales.assign(ops.where(back_off, lowered, table.log2_scales))
+        table.log2_ceilings.assign(
+            ops.where(back_off, table.log2_scales, table.log2_ceilings)
+        )
 
     def _measure(self, unscaled, scale):
         """Records the statistics and, in adaptive mode, sets the scale."""
@@ -438,14 +550,20 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.norm_history_count.assign_add(1)
         return grads, acted
 
-    def _after_finite_step(self):
+    def _after_finite_step(self, table=None):
         self.overflow_streak.assign(0)
         self.steps_since_update.assign(
             ops.mod(self.steps_since_update + 1, self.update_every)
         )
-        if self.mode not in ("dynamic", "adaptive"):
+        if self.mode not in ("dynamic", "adaptive", "per_layer"):
             return
         grow = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
+        self.step_counter.assign(ops.where(grow, 0, self.step_counter + 1))
+        if table is not None:
+            # Per-layer caps lowered by overflows rise again, one binade.
+            ceilings = table.log2_ceilings
+            ceilings.assign(ops.where(grow, ceilings + 1.0, ceilings))
+            return
         # Dynamic mode grows the scale; adaptive mode the cap on its updates.
         grown = (
             self.dynamic_scale if self.mode == "dynamic" else self.scale_ceiling
@@ -453,27 +571,28 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         grown.assign(
             ops.where(grow, ops.minimum(grown * 2.0, self.max_scale), grown)
         )
-        self.step_counter.assign(ops.where(grow, 0, self.step_counter + 1))
 
-    def _after_non_finite_step(self):
+    def _after_non_finite_step(self, table=None):
         self.skipped_steps.assign_add(1)
-        if self.mode not in ("dynamic", "adaptive"):
+        if self.mode not in ("dynamic", "adaptive", "per_layer"):
             return
         streak = self.overflow_streak + 1
         back_off = streak >= self.hysteresis
+        self.overflow_streak.assign(ops.where(back_off, 0, streak))
+        self.step_counter.assign(0)
+        self.steps_since_update.assign(0)  # measure again on the next step
+        if table is not None:
+            return  # the caller backs off the units where it overflowed
         scale = ops.where(
             back_off,
             ops.maximum(self.dynamic_scale * 0.5, self.min_scale),
             self.dynamic_scale,
         )
         self.dynamic_scale.assign(scale)
-        self.overflow_streak.assign(ops.where(back_off, 0, streak))
-        self.step_counter.assign(0)
         if self.mode == "adaptive":
             self.scale_ceiling.assign(
                 ops.where(back_off, scale, self.scale_ceiling)
             )
-            self.steps_since_update.assign(0)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(

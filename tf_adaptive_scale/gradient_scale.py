@@ -1,0 +1,249 @@
+"""Per-layer gradient scales applied inside the backward pass.
+
+Every layer of an instrumented model is a *unit* with its own loss scale: the
+gradient of its outputs, its own backward pass and its weight gradients are
+represented multiplied by that scale. A `GradientScale` boundary sits on each
+edge of the graph, between a producer unit and one consumer: the identity in
+the forward pass, it converts the gradient from the consumer's scale to the
+producer's in the backward pass, so gradients from several consumers meet at
+one common scale before they are summed.
+
+All scales live in one `ScaleTable` layer per model. Its outputs feed every
+boundary: `control` (log2 scales, then a measure flag) and `statistics`. The
+latter is a trainable variable read through the identity: whatever the
+boundaries return as *its* gradient is the per-unit statistics of this very
+backward pass (the Keras float8 pattern), which the optimizer reads and writes
+back. So the statistics cost no extra pass and work under XLA.
+
+Statistics columns, per unit (row):
+- `[0, NUM_BINS)`: exponent histogram of the unit's unscaled output gradient
+  (update steps only);
+- `OUTPUT_MAX`: sum over its output edges of max |unscaled gradient|;
+- `INPUT_MAX`: sum over its input edges of the max |unscaled gradient| its
+  backward produced (so overflow of its input gradients is seen too);
+- `PRODUCED_NON_FINITE`: its backward produced a non-finite input gradient;
+- `CONVERSION_OVERFLOW`: converting a finite gradient to its scale overflowed;
+- `RECEIVED_NON_FINITE`: its output gradient was non-finite.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from tf_adaptive_scale import gradient_statistics as stats
+
+OUTPUT_MAX = stats.NUM_BINS
+INPUT_MAX = OUTPUT_MAX + 1
+PRODUCED_NON_FINITE = INPUT_MAX + 1
+CONVERSION_OVERFLOW = PRODUCED_NON_FINITE + 1
+RECEIVED_NON_FINITE = CONVERSION_OVERFLOW + 1
+NUM_COLUMNS = RECEIVED_NON_FINITE + 1
+
+# Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
+LOSS_UNIT = 0
+
+
+@keras.saving.register_keras_serializable(package="tf_adaptive_scale")
+class ScaleTable(keras.layers.Layer):
+    """Holds the per-unit scales and statistics of an instrumented model.
+
+    Args:
+        unit_names: Names of the units, index 0 being `"loss"`.
+        initial_scale: Power of two, every unit's first scale.
+
+    Returns:
+        Called on any model input, `(control, statistics)`: float32 tensors of
+        shape `(units + 1,)` and `(units, NUM_COLUMNS)`.
+
+    Example:
+
+    >>> table = ScaleTable(["loss", "dense"])
+    """
+
+    def __init__(self, unit_names, initial_scale=2.0**15, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(autocast=False, **kwargs)
+        self.unit_names = list(unit_names)
+        self.initial_scale = float(initial_scale)
+        units = len(self.unit_names)
+        initial = [0.0] + [math.log2(initial_scale)] * (units - 1)
+        self.log2_scales = self.add_weight(
+            shape=(units,),
+            initializer=keras.initializers.Constant(initial),
+            trainable=False,
+            name="log2_scales",
+        )
+        # The cap on each unit's scale, lowered where it overflowed.
+        self.log2_ceilings = self.add_weight(
+            shape=(units,),
+            initializer=keras.initializers.Constant(np.inf),
+            trainable=False,
+            name="log2_ceilings",
+        )
+        self.measure = self.add_weight(
+            shape=(),
+            initializer="ones",
+            trainable=False,
+            name="measure",
+        )
+        self.statistics = self.add_weight(
+            shape=(units, NUM_COLUMNS),
+            initializer="zeros",
+            trainable=True,  # receives the statistics as its gradient
+            name="statistics",
+        )
+        self.statistics.overwrite_with_gradient = True
+        self.statistics.scale_table = self
+
+    def call(self, anchor):
+        control = ops.concatenate(
+            [ops.convert_to_tensor(self.log2_scales), ops.reshape(self.measure, (1,))]
+        )
+        # `statistics` passes through the identity so that it has a gradient.
+        return ops.stop_gradient(control), ops.convert_to_tensor(
+            self.statistics
+        )
+
+    def compute_output_spec(self, anchor):
+        units = len(self.unit_names)
+        return (
+            keras.KerasTensor((units + 1,), "float32"),
+            keras.KerasTensor((units, NUM_COLUMNS), "float32"),
+        )
+
+    def scales(self):
+        """The current scale of every unit by name (Python floats)."""
+        values = 2.0 ** np.asarray(self.log2_scales.numpy(), np.float64)
+        return dict(zip(self.unit_names[1:], values[1:].tolist()))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            unit_names=self.unit_names,
+            initial_scale=self.initial_scale,
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tf_adaptive_scale")
+class GradientScale(keras.layers.Layer):
+    """A gradient-scale boundary on one edge of the graph.
+
+    The identity in the forward pass. In the backward pass it multiplies the
+    gradient by `scale[producer] / scale[consumer]` (in float32, then back to
+    the gradient's dtype) and reports statistics of it to the `ScaleTable`.
+
+    Args:
+        producer: Unit index of the layer that produced the tensor.
+        consumer: Unit index of the layer that consumes it.
+        output_dtype: Optional dtype to cast to in the forward pass (model
+            outputs are cast to float32, so that the loss gradient reaches the
+            boundary before any float16 rounding).
+
+    Returns:
+        Called as `boundary(x, control, statistics)`, returns `x`.
+
+    Example:
+
+    >>> y = GradientScale(producer=1, consumer=2)(x, control, statistics)
+    """
+
+    def __init__(self, producer, consumer, output_dtype=None, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+        self.producer = int(producer)
+        self.consumer = int(consumer)
+        self.output_dtype = output_dtype
+        self.supports_masking = True
+
+    def call(self, x, control, statistics):
+        return _boundary(
+            x, control, statistics, self.producer, self.consumer,
+            self.output_dtype or x.dtype,
+        )
+
+    def compute_output_spec(self, x, control, statistics):
+        return keras.KerasTensor(x.shape, self.output_dtype or x.dtype)
+
+    def compute_mask(self, x, mask=None):
+        return mask
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            producer=self.producer,
+            consumer=self.consumer,
+            output_dtype=self.output_dtype,
+        )
+        return config
+
+
+def _boundary(x, control, statistics, producer, consumer, output_dtype):
+    input_dtype = x.dtype
+
+    @ops.custom_gradient
+    def identity(x, control, statistics):
+        def backward(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            return _convert(
+                upstream, control, statistics.shape, producer, consumer,
+                input_dtype,
+            )
+
+        # ops.identity is the identity *matrix*; ops.copy is tf.identity.
+        if output_dtype == input_dtype:
+            return ops.copy(x), backward
+        return ops.cast(x, output_dtype), backward
+
+    return identity(x, control, statistics)
+
+
+def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
+    """Gradient conversion and this edge's contribution to the statistics."""
+    log2_in = control[consumer]
+    log2_out = control[producer]
+    dy32 = ops.cast(dy, "float32")
+    dx32 = dy32 * ops.power(2.0, log2_out - log2_in)
+    dx = ops.cast(dx32, input_dtype)
+
+    dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
+    finite = ops.isfinite(dy32)
+    # One fused reduction: the max of |dy| with non-finite values as inf.
+    peak = ops.max(ops.where(finite, ops.abs(dy32), np.inf))
+    produced_bad = ops.logical_not(ops.isfinite(peak))
+    converted_bad = peak * ops.power(2.0, log2_out - log2_in) > dtype_max
+    unscaled_peak = ops.where(produced_bad, 0.0, peak * ops.power(2.0, -log2_in))
+
+    histogram = ops.cond(
+        control[-1] > 0,
+        lambda: stats.exponent_histogram([dy32 * ops.power(2.0, -log2_in)])[0],
+        lambda: ops.zeros((stats.NUM_BINS,), "float32"),
+    )
+    producer_row = ops.concatenate(
+        [
+            histogram,
+            ops.stack(
+                [
+                    unscaled_peak,
+                    0.0,
+                    0.0,
+                    ops.cast(ops.logical_and(converted_bad, ~produced_bad), "float32"),
+                    ops.cast(ops.logical_or(converted_bad, produced_bad), "float32"),
+                ]
+            ),
+        ]
+    )
+    consumer_row = ops.concatenate(
+        [
+            ops.zeros((stats.NUM_BINS,), "float32"),
+            ops.stack(
+                [0.0, unscaled_peak, ops.cast(produced_bad, "float32"), 0.0, 0.0]
+            ),
+        ]
+    )
+    units = statistics_shape[0]
+    rows = ops.one_hot(producer, units)[:, None] * producer_row[None, :]
+    rows = rows + ops.one_hot(consumer, units)[:, None] * consumer_row[None, :]
+    return dx, ops.zeros_like(control), rows

@@ -1,0 +1,172 @@
+"""`instrument`: places gradient-scale boundaries on every edge of a model."""
+
+import keras
+
+from tf_adaptive_scale.gradient_scale import LOSS_UNIT
+from tf_adaptive_scale.gradient_scale import GradientScale
+from tf_adaptive_scale.gradient_scale import ScaleTable
+
+
+def instrument(model, initial_scale=2.0**15):
+    """Returns a model with per-layer gradient scales, sharing `model`'s weights.
+
+    Every layer becomes a unit with its own loss scale; a `GradientScale`
+    boundary on each graph edge converts gradients between the consumer's and
+    the producer's scales, so gradients meeting at a fork are summed at one
+    scale. Nested Sequential/Functional models are inlined (their layers become
+    units). Model outputs are cast to float32 by their boundaries, so the loss
+    gradient is scaled before any float16 rounding. The original model is left
+    as it is; both share the same weight variables.
+
+    Train the result with `AdaptiveLossScaleOptimizer(..., scaling="per_layer")`.
+
+    Args:
+        model: A built Sequential or Functional Keras model.
+        initial_scale: Power of two, every unit's scale before the first
+            measurement.
+
+    Returns:
+        An `InstrumentedModel`.
+
+    Example:
+
+    >>> fast = tas.instrument(model)
+    >>> fast.compile(tas.AdaptiveLossScaleOptimizer(
+    ...     keras.optimizers.Adam(), scaling="per_layer"), loss="mse")
+    """
+    if not isinstance(model, keras.Model) or not _is_graph(model):
+        raise TypeError(
+            "`model` must be a built Sequential or Functional keras.Model: "
+            "per-layer scaling follows the layer graph, which a subclassed "
+            "model does not expose. Use the global adaptive scale for it "
+            f"(AdaptiveLossScaleOptimizer). Received: {model!r}"
+        )
+    if not model.built or not model.inputs:
+        raise ValueError(
+            "`model` must be built on known inputs (e.g. start it with "
+            "keras.Input) before it can be instrumented."
+        )
+    units = ["loss"] + [layer.name for layer in _leaf_layers(model)]
+    index = {name: i for i, name in enumerate(units)}
+    inputs = keras.tree.map_structure(
+        lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
+        model.input,
+    )
+    table = ScaleTable(units, initial_scale=initial_scale, name="gradient_scales")
+    control, statistics = table(keras.tree.flatten(inputs)[0])
+    producer_of = {}
+
+    def boundary(tensor, consumer, output_dtype=None):
+        producer = producer_of.get(id(tensor))
+        if producer is None or not _is_float(tensor):
+            return tensor  # a model input, or no gradient flows
+        return GradientScale(producer, consumer, output_dtype=output_dtype)(
+            tensor, control, statistics
+        )
+
+    def call(layer, *args, **kwargs):
+        if _is_graph(layer):
+            return _run(layer, args[0], call)  # inline nested models
+        unit = index[layer.name]
+        args, kwargs = keras.tree.map_structure(
+            lambda t: boundary(t, unit) if _is_tensor(t) else t, (args, kwargs)
+        )
+        outputs = layer(*args, **kwargs)
+        for t in keras.tree.flatten(outputs):
+            producer_of[id(t)] = unit
+        return outputs
+
+    outputs = _run(model, inputs, call)
+    outputs = keras.tree.map_structure(
+        lambda t: boundary(t, LOSS_UNIT, output_dtype="float32"), outputs
+    )
+    return InstrumentedModel(inputs, outputs, name=f"{model.name}_instrumented")
+
+
+@keras.saving.register_keras_serializable(package="tf_adaptive_scale")
+class InstrumentedModel(keras.Model):
+    """A Functional model with per-layer gradient scales (see `instrument`).
+
+    On construction (also when loaded) it tags every weight with the index of
+    the unit whose scale its gradient carries, for the optimizer to unscale.
+
+    Args:
+        inputs: Model inputs, as for a Functional model.
+        outputs: Model outputs, as for a Functional model.
+        name: Optional name.
+
+    Returns:
+        A Keras model.
+
+    Example:
+
+    >>> instrumented = tas.instrument(model)
+    >>> instrumented.layer_scales()
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tables = [l for l in self.layers if isinstance(l, ScaleTable)]
+        if len(tables) != 1:
+            raise ValueError(
+                "An InstrumentedModel needs exactly one ScaleTable layer; "
+                "build it with tas.instrument(model)."
+            )
+        self.scale_table = tables[0]
+        for unit, name in enumerate(self.scale_table.unit_names):
+            if unit == LOSS_UNIT:
+                continue
+            for variable in self.get_layer(name).trainable_weights:
+                variable.gradient_scale_unit = unit
+
+    def layer_scales(self):
+        """The current scale of every layer (unit) by layer name."""
+        return self.scale_table.scales()
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        if getattr(optimizer, "mode", None) != "per_layer":
+            raise ValueError(
+                "An instrumented model carries per-layer scales in its "
+                "gradients: compile it with tas.AdaptiveLossScaleOptimizer(..., "
+                f"scaling='per_layer'). Received: optimizer={optimizer!r}"
+            )
+        super().compile(optimizer, *args, **kwargs)
+
+
+def _is_graph(model):
+    return isinstance(model, keras.Sequential) or hasattr(
+        model, "_run_through_graph"
+    )
+
+
+def _is_tensor(x):
+    return isinstance(x, keras.KerasTensor)
+
+
+def _is_float(x):
+    return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+def _leaf_layers(model):
+    """Every layer of `model`, nested models expanded, each once, in order."""
+    seen, leaves = set(), []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        for leaf in _leaf_layers(layer) if _is_graph(layer) else [layer]:
+            if id(leaf) not in seen:
+                seen.add(id(leaf))
+                leaves.append(leaf)
+    return leaves
+
+
+def _run(model, inputs, call):
+    """Runs `model`'s graph on `inputs`, calling each layer through `call`."""
+    if isinstance(model, keras.Sequential):
+        x = inputs
+        for layer in model.layers:
+            x = call(layer, x)
+        return x
+    # Functional models expose no public graph walker; this one is the one
+    # keras.models.clone_model uses.
+    return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)

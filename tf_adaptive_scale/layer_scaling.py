@@ -1,0 +1,97 @@
+"""The per-layer update rule and overflow attribution, on a `ScaleTable`'s
+statistics (see `gradient_scale`). Pure functions of tensors; the optimizer
+keeps the state."""
+
+from keras import ops
+
+from tf_adaptive_scale import gradient_scale as boundary
+from tf_adaptive_scale import gradient_statistics as stats
+
+
+def per_unit_max(values, units, num_units):
+    """The max of `values` (one per variable) within each unit, 0 if none.
+
+    Args:
+        values: float32 vector, one entry per variable.
+        units: int list, the unit of each variable.
+        num_units: Number of units.
+
+    Returns:
+        float32 vector `(num_units,)`.
+    """
+    peak = ops.segment_max(
+        values, ops.array(units, "int32"), num_segments=num_units
+    )
+    return ops.maximum(peak, 0.0)
+
+
+def layer_log2_scales(
+    statistics, weight_max, log2_scales, log2_ceilings, underflow_rate,
+    log2_headroom, log2_min, log2_max,
+):
+    """Each unit's new scale exponent by the adaptive rule.
+
+    A unit's histogram is that of its output gradient; its largest value the
+    largest of its output gradient, its input gradients and its weight
+    gradients (all unscaled), since all of them are held at its scale.
+
+    Args:
+        statistics: `(units, NUM_COLUMNS)` statistics of one backward pass.
+        weight_max: `(units,)` largest unscaled weight gradient per unit.
+        log2_scales: `(units,)` current exponents.
+        log2_ceilings: `(units,)` caps lowered by overflows.
+        underflow_rate: Tolerated underflowing fraction.
+        log2_headroom: Exponent of the headroom.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+
+    Returns:
+        `(units,)` float32 exponents; the loss unit stays at 0 and a unit
+        whose gradient was all zero keeps its exponent.
+    """
+    histogram = statistics[:, : stats.NUM_BINS]
+    peak = ops.maximum(
+        ops.maximum(
+            statistics[:, boundary.OUTPUT_MAX], statistics[:, boundary.INPUT_MAX]
+        ),
+        weight_max,
+    )
+    chosen, _, _ = stats.adaptive_log2_scale(
+        histogram, peak, underflow_rate, log2_headroom
+    )
+    chosen = ops.minimum(ops.clip(chosen, log2_min, log2_max), log2_ceilings)
+    chosen = ops.where(ops.sum(histogram, axis=-1) > 0, chosen, log2_scales)
+    return _keep_loss_unit(chosen)
+
+
+def overflow_origins(statistics, weight_non_finite):
+    """The units where a non-finite gradient started.
+
+    A unit is an origin when converting a finite gradient to its scale
+    overflowed, or when its own backward pass (input or weight gradients)
+    produced non-finite values from a finite output gradient. Where no unit
+    can be blamed (e.g. the loss itself is not finite), all are.
+
+    Args:
+        statistics: `(units, NUM_COLUMNS)` statistics of the skipped step.
+        weight_non_finite: `(units,)` whether a weight gradient of the unit
+            was non-finite.
+
+    Returns:
+        `(units,)` bool, False for the loss unit.
+    """
+    produced = ops.logical_or(
+        statistics[:, boundary.PRODUCED_NON_FINITE] > 0, weight_non_finite
+    )
+    received = statistics[:, boundary.RECEIVED_NON_FINITE] > 0
+    origins = ops.logical_or(
+        statistics[:, boundary.CONVERSION_OVERFLOW] > 0,
+        ops.logical_and(produced, ops.logical_not(received)),
+    )
+    origins = _keep_loss_unit(origins, False)
+    return ops.where(ops.any(origins), origins, _keep_loss_unit(origins | True, False))
+
+
+def _keep_loss_unit(values, loss_value=0.0):
+    is_loss = ops.arange(values.shape[0]) == boundary.LOSS_UNIT
+    return ops.where(is_loss, loss_value, values)
