@@ -16,8 +16,9 @@ backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA.
 
 Statistics columns, per unit (row):
-- `[0, NUM_BINS)`: exponent histogram of the unit's unscaled output gradient
-  (update steps only);
+- `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
+  unit's scale: its output gradients and the input gradients its backward
+  produced (update steps only);
 - `OUTPUT_MAX`: sum over its output edges of max |unscaled gradient|;
 - `INPUT_MAX`: sum over its input edges of the max |unscaled gradient| its
   backward produced (so overflow of its input gradients is seen too);
@@ -62,7 +63,7 @@ class ScaleTable(keras.layers.Layer):
     >>> table = ScaleTable(["loss", "dense"])
     """
 
-    def __init__(self, unit_names, initial_scale=2.0**15, **kwargs):
+    def __init__(self, unit_names, initial_scale=1.0, **kwargs):
         kwargs.setdefault("dtype", "float32")
         super().__init__(autocast=False, **kwargs)
         self.unit_names = list(unit_names)
@@ -237,7 +238,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     )
     consumer_row = ops.concatenate(
         [
-            ops.zeros((stats.NUM_BINS,), "float32"),
+            histogram,  # the consumer's backward produced these values
             ops.stack(
                 [0.0, unscaled_peak, ops.cast(produced_bad, "float32"), 0.0, 0.0]
             ),

@@ -7,7 +7,7 @@ from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
 
 
-def instrument(model, initial_scale=2.0**15):
+def instrument(model, initial_scale=1.0):
     """Returns a model with per-layer gradient scales, sharing `model`'s weights.
 
     Every layer becomes a unit with its own loss scale; a `GradientScale`
@@ -23,7 +23,9 @@ def instrument(model, initial_scale=2.0**15):
     Args:
         model: A built Sequential or Functional Keras model.
         initial_scale: Power of two, every unit's scale before the first
-            measurement.
+            measurement (on the first step). The default 1 cannot overflow
+            where float32 would not; what underflows on that one step is
+            measured as zero, and all-zero units rise quickly.
 
     Returns:
         An `InstrumentedModel`.
@@ -48,9 +50,11 @@ def instrument(model, initial_scale=2.0**15):
         )
     units = ["loss"] + [layer.name for layer in _leaf_layers(model)]
     index = {name: i for i, name in enumerate(units)}
+    # A Sequential model's `input` is undefined until it is called.
+    structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
     inputs = keras.tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
-        model.input,
+        structure,
     )
     table = ScaleTable(units, initial_scale=initial_scale, name="gradient_scales")
     control, statistics = table(keras.tree.flatten(inputs)[0])

@@ -7,6 +7,9 @@ from keras import ops
 from tf_adaptive_scale import gradient_scale as boundary
 from tf_adaptive_scale import gradient_statistics as stats
 
+# Binades a unit's scale rises when it saw no nonzero gradient at all.
+UNSEEN_STEP = 8.0
+
 
 def per_unit_max(values, units, num_units):
     """The max of `values` (one per variable) within each unit, 0 if none.
@@ -31,9 +34,9 @@ def layer_log2_scales(
 ):
     """Each unit's new scale exponent by the adaptive rule.
 
-    A unit's histogram is that of its output gradient; its largest value the
-    largest of its output gradient, its input gradients and its weight
-    gradients (all unscaled), since all of them are held at its scale.
+    A unit's histogram covers its output gradients and the input gradients
+    its backward produced; its largest value is the largest of those and of
+    its weight gradients (all unscaled), since all are held at its scale.
 
     Args:
         statistics: `(units, NUM_COLUMNS)` statistics of one backward pass.
@@ -47,7 +50,7 @@ def layer_log2_scales(
 
     Returns:
         `(units,)` float32 exponents; the loss unit stays at 0 and a unit
-        whose gradient was all zero keeps its exponent.
+        whose gradient was all zero rises by `UNSEEN_STEP` binades.
     """
     histogram = statistics[:, : stats.NUM_BINS]
     peak = ops.maximum(
@@ -60,7 +63,11 @@ def layer_log2_scales(
         histogram, peak, underflow_rate, log2_headroom
     )
     chosen = ops.minimum(ops.clip(chosen, log2_min, log2_max), log2_ceilings)
-    chosen = ops.where(ops.sum(histogram, axis=-1) > 0, chosen, log2_scales)
+    # All-zero gradients may have underflowed entirely: raise the scale.
+    raised = ops.minimum(
+        ops.minimum(log2_scales + UNSEEN_STEP, log2_max), log2_ceilings
+    )
+    chosen = ops.where(ops.sum(histogram, axis=-1) > 0, chosen, raised)
     return _keep_loss_unit(chosen)
 
 

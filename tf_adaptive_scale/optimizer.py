@@ -400,7 +400,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             def measure_step():
                 self._measure(regular_grads, scale)
                 if table is not None:
-                    self._update_layer_scales(table, table_grad, regular_grads, units)
+                    table.log2_scales.assign(
+                        self._layer_rule(table, table_grad, regular_grads, units)
+                    )
 
             ops.cond(measure, measure_step, lambda: None)
             clipped = self._clip(regular_grads, [variables[i] for i in regular])
@@ -411,23 +413,37 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         def on_non_finite():
             self._after_non_finite_step(table)
-            if table is not None:
-                non_finite = ops.stack(
-                    [
-                        ops.cast(ops.logical_not(ops.all(ops.isfinite(grads[i]))), "float32")
-                        for i in regular
-                    ]
-                )
-                self._back_off_layer_scales(
-                    table,
-                    layer_scaling.overflow_origins(
-                        table_grad,
-                        layer_scaling.per_unit_max(
-                            non_finite, units, len(table.unit_names)
-                        )
-                        > 0,
-                    ),
-                )
+            if table is None:
+                return
+            weight_non_finite = layer_scaling.per_unit_max(
+                ops.stack(
+                    [ops.cast(~ops.all(ops.isfinite(grads[i])), "float32") for i in regular]
+                ),
+                units,
+                len(table.unit_names),
+            ) > 0
+            current = ops.convert_to_tensor(table.log2_scales)
+            # Units the overflow did not touch still measured valid statistics;
+            # the rule also bounds the units it started in, before halving.
+            measured = ops.cond(
+                measure,
+                lambda: self._layer_rule(
+                    table, table_grad, [grads[i] / divisors[i] for i in regular], units
+                ),
+                lambda: current,
+            )
+            involved = weight_non_finite | ops.any(flags > 0, axis=-1)
+            origins = layer_scaling.overflow_origins(table_grad, weight_non_finite)
+            back_off = origins & ops.equal(self.overflow_streak, 0)  # hysteresis
+            lowered = ops.maximum(
+                ops.minimum(measured, current) - 1.0, math.log2(self.min_scale)
+            )
+            table.log2_scales.assign(
+                ops.where(back_off, lowered, ops.where(involved, current, measured))
+            )
+            table.log2_ceilings.assign(
+                ops.where(back_off, lowered, table.log2_ceilings)
+            )
 
         ops.cond(finite, on_finite, on_non_finite)
         self.total_steps.assign_add(1)
@@ -439,35 +455,24 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 ops.cast(ops.equal(self.steps_since_update, 0), "float32")
             )
 
-    def _update_layer_scales(self, table, statistics, unscaled, units):
-        """Sets every unit's scale from this backward pass's statistics."""
+    def _layer_rule(self, table, statistics, unscaled, units):
+        """Every unit's scale exponent by the rule, from one backward pass."""
         weight_max = layer_scaling.per_unit_max(
-            ops.stack([ops.max(ops.abs(g)) for g in unscaled]),
+            ops.stack(
+                [ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)) for g in unscaled]
+            ),
             units,
             len(table.unit_names),
         )
-        table.log2_scales.assign(
-            layer_scaling.layer_log2_scales(
-                statistics,
-                weight_max,
-                table.log2_scales,
-                table.log2_ceilings,
-                self.underflow_rate,
-                math.log2(self.headroom),
-                math.log2(self.min_scale),
-                math.log2(self.max_scale),
-            )
-        )
-
-    def _back_off_layer_scales(self, table, origins):
-        """Halves the scales of the units where the overflow started."""
-        back_off = ops.logical_and(
-            origins, ops.equal(self.overflow_streak, 0)  # hysteresis reached
-        )
-        lowered = ops.maximum(table.log2_scales - 1.0, math.log2(self.min_scale))
-        table.log2_scales.assign(ops.where(back_off, lowered, table.log2_scales))
-        table.log2_ceilings.assign(
-            ops.where(back_off, table.log2_scales, table.log2_ceilings)
+        return layer_scaling.layer_log2_scales(
+            statistics,
+            weight_max,
+            table.log2_scales,
+            table.log2_ceilings,
+            self.underflow_rate,
+            math.log2(self.headroom),
+            math.log2(self.min_scale),
+            math.log2(self.max_scale),
         )
 
     def _measure(self, unscaled, scale):
