@@ -216,12 +216,17 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     produced_bad = ops.logical_not(ops.isfinite(peak))
     converted_bad = peak * ops.power(2.0, log2_out - log2_in) > dtype_max
     unscaled_peak = ops.where(produced_bad, 0.0, peak * ops.power(2.0, -log2_in))
-
-    histogram = ops.cond(
-        control[-1] > 0,
-        lambda: stats.exponent_histogram([dy32 * ops.power(2.0, -log2_in)])[0],
-        lambda: ops.zeros((stats.NUM_BINS,), "float32"),
-    )
+    no_histogram = ops.zeros((stats.NUM_BINS,), "float32")
+    if keras.backend.standardize_dtype(input_dtype) != "float16":
+        # Only float16 tensors have a range to fit the scale to.
+        unscaled_peak = ops.zeros((), "float32")
+        histogram = no_histogram
+    else:
+        histogram = ops.cond(
+            control[-1] > 0,
+            lambda: stats.exponent_histogram([dy32 * ops.power(2.0, -log2_in)])[0],
+            lambda: no_histogram,
+        )
     producer_row = ops.concatenate(
         [
             histogram,
