@@ -136,6 +136,12 @@ class InstrumentedModel(keras.Model):
             )
         super().compile(optimizer, *args, **kwargs)
 
+    def compile_from_config(self, config):
+        # Keras skips this for models whose compile() is overridden.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
 
 def _is_graph(model):
     return isinstance(model, keras.Sequential) or hasattr(

@@ -1,0 +1,190 @@
+"""Per-layer scaling in training: the rule, statistics on update steps only,
+overflow attribution, fit/XLA, custom loops, save/load and checkpoints."""
+
+import math
+
+import numpy as np
+import pytest
+import keras
+import tensorflow as tf
+
+import tf_adaptive_scale as tas
+from tf_adaptive_scale import gradient_scale as gs
+from model_zoo import build
+
+
+def per_layer_optimizer(inner=None, **kwargs):
+    return tas.AdaptiveLossScaleOptimizer(
+        inner or keras.optimizers.Adam(1e-2), scaling="per_layer", **kwargs
+    )
+
+
+def test_rule_matches_hand_computed_scale():
+    """One Dense unit whose output gradient is a known tensor T."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    # 32x8 output gradient: 5% of the entries tiny (2**-36), the rest 2**-12..2**-8.
+    t = (2.0 ** rng.integers(-12, -8, (32, 8)) * rng.choice([-1, 1], (32, 8))).astype("float32")
+    t[rng.random((32, 8)) < 0.05] = 2.0**-36
+    x = rng.standard_normal((32, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, use_bias=False)])
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.0), underflow_rate=0.01, headroom=16.0)
+    opt.build(inst.trainable_variables)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(inst(x) * t)  # d loss / d output = t, exactly
+    opt.apply(tape.gradient(loss, inst.trainable_variables), inst.trainable_variables)
+
+    # By hand: the unit holds its output gradient t (its input is the model
+    # input: no boundary) and its kernel gradient x^T t.
+    nonzero = np.abs(t[t != 0])
+    exponents = np.floor(np.log2(nonzero))
+    peak = max(nonzero.max(), np.abs(x.T @ t).max())
+    high = math.floor(math.log2(65504 / peak))
+    low = min(
+        k for k in range(-40, 60) if np.mean(exponents + k < -24) <= 0.01
+    )
+    expected = min(max(high - 4, low), high)
+    assert low == 12  # 2**-36 * 2**12 = 2**-24: the 5% tail fits from 2**12 on
+    assert inst.layer_scales() == {model.layers[0].name: 2.0**expected}
+    histogram = inst.scale_table.statistics.numpy()[1, : gs.OUTPUT_MAX]
+    assert histogram.sum() == t.size
+
+
+def test_statistics_only_on_update_steps():
+    model, x, y = build("residual", "mixed_float16")
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(update_every=3)
+    inst.compile(opt, "mse", jit_compile=True)
+    sums = []
+    for i in range(5):
+        inst.train_on_batch(x, y["first"] if isinstance(y, dict) else y)
+        sums.append(float(inst.scale_table.statistics.numpy()[:, : gs.OUTPUT_MAX].sum()))
+    # Steps 0 and 3 measure histograms; 1, 2 and 4 do not.
+    assert [s > 0 for s in sums] == [True, False, False, True, False]
+    assert int(opt.skipped_steps) == 0
+
+
+def unit_of(inst, name):
+    return inst.scale_table.unit_names.index(name)
+
+
+def test_overflow_is_attributed_to_the_unit_where_it_started():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, name="low"), keras.layers.Dense(8, name="mid"),
+         keras.layers.Dense(2, name="top")]
+    )
+    inst = tas.instrument(model)
+    table = inst.scale_table
+    log2 = np.array([0, 2, 40, 2], "float32")  # converting into "mid" overflows float16
+    table.log2_scales.assign(log2)
+    table.measure.assign(0.0)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.1), update_every=10**6, max_scale=2.0**60)
+    inst.compile(opt, "mse", jit_compile=True)
+    before = [w.copy() for w in model.get_weights()]
+    inst.train_on_batch(np.ones((4, 8), "float32"), np.ones((4, 2), "float32"))
+    assert int(opt.skipped_steps) == 1
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    stats = table.statistics.numpy()
+    assert stats[unit_of(inst, "mid"), gs.CONVERSION_OVERFLOW] == 1
+    np.testing.assert_array_equal(table.log2_scales.numpy(), [0, 2, 39, 2])  # only "mid"
+    assert table.log2_ceilings.numpy()[unit_of(inst, "mid")] == 39
+
+
+def test_overflow_inside_a_layer_backward_blames_that_layer():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        # Small activations into "big", whose large weights blow up only the
+        # backward pass: dx = dy W^T.
+        [keras.Input((64,)),
+         keras.layers.Dense(64, name="low", kernel_initializer=keras.initializers.Constant(1e-4)),
+         keras.layers.Dense(64, name="big", kernel_initializer=keras.initializers.Constant(1e3)),
+         keras.layers.Dense(1, name="top", kernel_initializer=keras.initializers.Constant(1e-3))]
+    )
+    inst = tas.instrument(model)
+    table = inst.scale_table
+    table.log2_scales.assign(np.array([0, 0, 8, 0], "float32"))  # "big"'s dx = dy W overflows
+    table.measure.assign(0.0)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=10**6)
+    inst.compile(opt, "mse", jit_compile=True)
+    inst.train_on_batch(np.ones((4, 64), "float32"), np.full((4, 1), 1e-2, "float32"))
+    stats = table.statistics.numpy()
+    assert stats[unit_of(inst, "big"), gs.PRODUCED_NON_FINITE] == 1
+    assert stats[unit_of(inst, "low"), gs.RECEIVED_NON_FINITE] == 1
+    np.testing.assert_array_equal(table.log2_scales.numpy(), [0, 0, 7, 0])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_fit_learns_like_float32_and_skips_nothing(jit):
+    reference, x, y = build("transformer", "float32")
+    reference.compile(keras.optimizers.Adam(1e-3), "mse", jit_compile=jit)
+    ref_loss = reference.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0).history["loss"]
+    model, _, _ = build("transformer", "mixed_float16")
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.Adam(1e-3), update_every=2)
+    inst.compile(opt, "mse", jit_compile=jit)
+    loss = inst.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0).history["loss"]
+    assert int(opt.skipped_steps) == 0 and int(opt.iterations) == 8
+    np.testing.assert_allclose(loss, ref_loss, rtol=0.01)
+    assert len(set(inst.layer_scales().values())) > 1  # the layers did pick different scales
+    assert opt.layer_scales() == inst.layer_scales()
+
+
+def test_custom_loop_traced_once_with_xla():
+    model, x, y = build("shared_and_concat", "mixed_float16")
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2)
+    variables = inst.trainable_variables  # all of them, `statistics` included
+    opt.build(variables)
+    traces = []
+
+    @tf.function(jit_compile=True)
+    def step(xb, yb):
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
+            scaled = opt.scale_loss(loss)  # the identity: scales live in the model
+        opt.apply(tape.gradient(scaled, variables), variables)
+        return loss
+
+    losses = [float(step(x, y)) for _ in range(6)]
+    assert len(traces) == 1 and losses[-1] < losses[0]
+    assert int(opt.total_steps) == 6 and int(opt.skipped_steps) == 0
+
+
+def trained(steps=4):
+    model, x, y = build("residual", "mixed_float16")
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(update_every=2, autoclip_percentile=50.0)
+    inst.compile(opt, "mse", jit_compile=True)
+    inst.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return inst, x, y
+
+
+def test_save_and_load_restore_every_scale_and_resume(tmp_path):
+    inst, x, y = trained()
+    path = str(tmp_path / "per_layer.keras")
+    inst.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is tas.InstrumentedModel
+    assert loaded.layer_scales() == inst.layer_scales()
+    for a, b in zip(loaded.scale_table.weights, inst.scale_table.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert all(hasattr(v, "gradient_scale_unit") for v in loaded.trainable_variables
+               if not hasattr(v, "scale_table"))
+    for model in (inst, loaded):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(loaded.get_weights(), inst.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert loaded.layer_scales() == inst.layer_scales()
+
+
+def test_checkpoint_restores_every_scale(tmp_path):
+    inst, x, y = trained()
+    prefix = tf.train.Checkpoint(model=inst, optimizer=inst.optimizer).save(str(tmp_path / "c"))
+    scales = inst.layer_scales()
+    inst.scale_table.log2_scales.assign(np.zeros_like(inst.scale_table.log2_scales.numpy()))
+    tf.train.Checkpoint(model=inst, optimizer=inst.optimizer).restore(prefix).assert_consumed()
+    assert inst.layer_scales() == scales
