@@ -8,6 +8,12 @@ on its last stdout line. A scenario that raises reports
 the same process still report.
 
 Usage: python tests/distributed_worker.py [scenario ...]   (default: all)
+
+Scenarios whose first all-reduce differs in size cannot share a process:
+every new MirroredStrategy restarts TensorFlow's collective instance keys, and
+the runtime remembers each instance's shape ("Shape mismatch in the collective
+instance 100", tensorflow#62790). Run the global-scale and the per-layer
+scenarios in separate processes, as tests/test_distribution.py does.
 """
 
 import json
@@ -280,11 +286,348 @@ def equivalence_adaptive_fp16():
     )
 
 
+# ---------------------------------------------------------------------------
+# Scenarios 4-6: per-layer scaling (tas.instrument) under the strategy.
+# ---------------------------------------------------------------------------
+
+
+def make_graph_model():
+    """A Functional model with a residual Add and a Dense layer called twice."""
+    x = keras.Input((FEATURES,))
+    h = keras.layers.Dense(4, activation="tanh", name="g_in")(x)
+    shared = keras.layers.Dense(4, activation="tanh", name="g_shared")
+    b = shared(shared(h))  # one layer, two calls: its gradient sums both
+    s = keras.layers.Add(name="g_add")([h, b])  # residual: a fork at h
+    return keras.Model(x, keras.layers.Dense(1, name="g_out")(s), name="graph")
+
+
+def graph_initial_weights(seed=0):
+    keras.utils.set_random_seed(seed)
+    return make_graph_model().get_weights()
+
+
+def _replicas(strategy, variable):
+    """The per-replica values of a (Keras) variable, as numpy arrays.
+
+    A Keras variable made under the strategy scope wraps a `MirroredVariable`
+    (its `.value`); outside a strategy there is one value.
+    """
+    inner = getattr(variable, "value", variable)
+    if strategy is None:
+        return [np.array(tf.convert_to_tensor(inner))]
+    return [
+        np.array(tf.convert_to_tensor(v))
+        for v in strategy.experimental_local_results(inner)
+    ]
+
+
+def _replicas_identical(strategy, variable):
+    values = _replicas(strategy, variable)
+    return len(values) == 2 and all(
+        np.array_equal(values[0], v) for v in values[1:]
+    )
+
+
+def _instrumented(strategy, weights0, make_optimizer, compile_kwargs=None):
+    """Builds, instruments and compiles inside the strategy's scope."""
+    scope = strategy.scope() if strategy is not None else nullcontext()
+    with scope:
+        model = make_graph_model()
+        model.set_weights(weights0)
+        instrumented = tas.instrument(model)
+        opt = make_optimizer()
+        opt.build(instrumented.trainable_variables)
+        if compile_kwargs is not None:
+            instrumented.compile(optimizer=opt, **compile_kwargs)
+    return model, instrumented, opt
+
+
+def per_layer_fit_fp16():
+    """model.fit, per-layer scales re-measured every step, 2 replicas vs 1."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        strategy = tf.distribute.MirroredStrategy(CPUS)
+        assert strategy.num_replicas_in_sync == 2
+        weights0 = graph_initial_weights(3)
+        x, y = _fit_data(3)
+        x = 8.0 * x  # larger first-layer gradients: the units' scales differ
+        runs = {}
+        for name, strat in (("mirrored", strategy), ("single", None)):
+            model, instrumented, opt = _instrumented(
+                strat,
+                weights0,
+                lambda: tas.AdaptiveLossScaleOptimizer(
+                    keras.optimizers.SGD(0.01),
+                    scaling="per_layer",
+                    update_every=1,
+                ),
+                dict(loss="mse", jit_compile=False),
+            )
+            history = instrumented.fit(
+                x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+                verbose=0,
+            )
+            table = instrumented.scale_table
+            weight_variables = [
+                v for v in instrumented.trainable_variables
+                if hasattr(v, "gradient_scale_unit")
+            ]
+            runs[name] = {
+                "unit_names": table.unit_names,
+                "layer_scales": instrumented.layer_scales(),
+                "log2_scales_per_replica": [
+                    v.tolist() for v in _replicas(strat, table.log2_scales)
+                ],
+                "log2_scales_identical": _replicas_identical(
+                    strat, table.log2_scales
+                ),
+                "log2_ceilings_identical": _replicas_identical(
+                    strat, table.log2_ceilings
+                ),
+                "measure_identical": _replicas_identical(strat, table.measure),
+                "statistics_identical": _replicas_identical(
+                    strat, table.statistics
+                ),
+                "statistics_nonzero": bool(
+                    np.any(_replicas(strat, table.statistics)[0] != 0)
+                ),
+                "weights_identical": all(
+                    _replicas_identical(strat, v) for v in weight_variables
+                ),
+                "weights": [w.tolist() for w in model.get_weights()],
+                "weights_finite": finite_weights(model),
+                "weights_changed": any(
+                    not np.array_equal(a, b)
+                    for a, b in zip(weights0, model.get_weights())
+                ),
+                "losses": [float(v) for v in history.history["loss"]],
+                "total_steps": int(_value(opt.total_steps)),
+                "skipped_steps": int(_value(opt.skipped_steps)),
+                "iterations": int(_value(opt.iterations)),
+            }
+        return runs
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+FIXED_STEPS = 4
+
+
+def per_layer_fixed_scales_fp32():
+    """Fixed random per-unit scales (no measuring) on 2 replicas vs plain
+    training of the uninstrumented model on one device."""
+    strategy = tf.distribute.MirroredStrategy(CPUS)
+    assert strategy.num_replicas_in_sync == 2
+    weights0 = graph_initial_weights(4)
+    x, y = _fit_data(4)
+    x, y = x[: FIXED_STEPS * GLOBAL_BATCH], y[: FIXED_STEPS * GLOBAL_BATCH]
+    fit_kwargs = dict(
+        batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0
+    )
+
+    def inner():
+        return keras.optimizers.SGD(0.02, momentum=0.5)
+
+    model, instrumented, opt = _instrumented(
+        strategy,
+        weights0,
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            inner(), scaling="per_layer", update_every=10**6
+        ),
+        dict(loss="mse", jit_compile=False),
+    )
+    table = instrumented.scale_table
+    rng = np.random.default_rng(4)
+    log2 = rng.integers(-8, 9, len(table.unit_names)).astype("float32")
+    log2[0] = 0.0
+    table.log2_scales.assign(log2)
+    table.measure.assign(0.0)
+    history = instrumented.fit(x, y, **fit_kwargs)
+
+    keras.utils.set_random_seed(0)
+    reference = make_graph_model()
+    reference.set_weights(weights0)
+    ref_opt = tas.AdaptiveLossScaleOptimizer(inner(), scaling="none")
+    reference.compile(optimizer=ref_opt, loss="mse", jit_compile=False)
+    ref_history = reference.fit(x, y, **fit_kwargs)
+
+    weight_variables = [
+        v for v in instrumented.trainable_variables
+        if hasattr(v, "gradient_scale_unit")
+    ]
+    return {
+        "unit_names": table.unit_names,
+        "assigned_log2_scales": log2.tolist(),
+        "log2_scales_per_replica": [
+            v.tolist() for v in _replicas(strategy, table.log2_scales)
+        ],
+        "measure_per_replica": [
+            float(v) for v in _replicas(strategy, table.measure)
+        ],
+        "weights_identical": all(
+            _replicas_identical(strategy, v) for v in weight_variables
+        ),
+        "statistics_identical": _replicas_identical(strategy, table.statistics),
+        "mirrored": {
+            "weights": [w.tolist() for w in model.get_weights()],
+            "losses": [float(v) for v in history.history["loss"]],
+            "iterations": int(_value(opt.iterations)),
+            "skipped_steps": int(_value(opt.skipped_steps)),
+            "total_steps": int(_value(opt.total_steps)),
+            "weights_changed": any(
+                not np.array_equal(a, b)
+                for a, b in zip(weights0, model.get_weights())
+            ),
+        },
+        "single_plain": {
+            "weights": [w.tolist() for w in reference.get_weights()],
+            "losses": [float(v) for v in ref_history.history["loss"]],
+            "iterations": int(_value(ref_opt.iterations)),
+            "skipped_steps": int(_value(ref_opt.skipped_steps)),
+        },
+    }
+
+
+def per_layer_overflow_fp16():
+    """A per-layer step where only replica 1's shard overflows."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _per_layer_overflow()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _per_layer_overflow():
+    strategy = tf.distribute.MirroredStrategy(CPUS)
+    assert strategy.num_replicas_in_sync == 2
+    global_batch = 2 * PER_REPLICA
+    weights0 = graph_initial_weights(5)
+
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
+    y = rng.uniform(-1.0, 1.0, (global_batch, 1)).astype("float32")
+    x[PER_REPLICA:] = 1e4  # second half only: replica 1's shard
+    clean_x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
+
+    def shard(array):
+        def value_fn(ctx):
+            i = ctx.replica_id_in_sync_group
+            return tf.constant(array[i * PER_REPLICA : (i + 1) * PER_REPLICA])
+
+        return strategy.experimental_distribute_values_from_function(value_fn)
+
+    dist_x, dist_y, dist_clean_x = shard(x), shard(y), shard(clean_x)
+
+    model, instrumented, opt = _instrumented(
+        strategy,
+        weights0,
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), scaling="per_layer", update_every=1
+        ),
+    )
+    table = instrumented.scale_table
+    start = np.full(len(table.unit_names), 15.0, "float32")
+    start[0] = 0.0  # the loss unit stays at scale 1
+    table.log2_scales.assign(start)
+    table.measure.assign(1.0)
+    variables = instrumented.trainable_variables
+    weight_variables = [v for v in variables if hasattr(v, "gradient_scale_unit")]
+
+    @tf.function(jit_compile=False)
+    def train_step(xs, ys):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                pred = tf.cast(instrumented(xb, training=True), "float32")
+                per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
+                loss = tf.nn.compute_average_loss(
+                    per_example, global_batch_size=global_batch
+                )
+                scaled = opt.scale_loss(loss)
+            grads = tape.gradient(scaled, variables)
+            finite = tf.reduce_all(
+                [
+                    tf.reduce_all(tf.math.is_finite(g))
+                    for g, v in zip(grads, variables)
+                    if hasattr(v, "gradient_scale_unit")
+                ]
+            )
+            opt.apply(grads, variables)
+            return finite
+
+        return strategy.run(step, args=(xs, ys))
+
+    def per_replica_weights():
+        return [_replicas(strategy, v) for v in weight_variables]
+
+    def table_state():
+        return {
+            "log2_scales_per_replica": [
+                v.tolist() for v in _replicas(strategy, table.log2_scales)
+            ],
+            "log2_ceilings_per_replica": [
+                v.tolist() for v in _replicas(strategy, table.log2_ceilings)
+            ],
+            "log2_scales_identical": _replicas_identical(
+                strategy, table.log2_scales
+            ),
+            "log2_ceilings_identical": _replicas_identical(
+                strategy, table.log2_ceilings
+            ),
+            "measure_identical": _replicas_identical(strategy, table.measure),
+            "statistics_identical": _replicas_identical(
+                strategy, table.statistics
+            ),
+            "skipped_steps": int(_value(opt.skipped_steps)),
+            "total_steps": int(_value(opt.total_steps)),
+            "iterations": int(_value(opt.iterations)),
+            "last_step_finite": bool(_value(opt.last_step_finite)),
+            "weights_finite": all(
+                bool(np.all(np.isfinite(r)))
+                for rs in per_replica_weights()
+                for r in rs
+            ),
+        }
+
+    before = per_replica_weights()
+    finite = train_step(dist_x, dist_y)
+    after = per_replica_weights()
+    result = {
+        "unit_names": table.unit_names,
+        "initial_log2_scales": start.tolist(),
+        "local_grads_finite": [
+            bool(t) for t in strategy.experimental_local_results(finite)
+        ],
+        # Every weight, on every replica, bitwise as before the step.
+        "weights_bitwise_unchanged": all(
+            np.array_equal(a, b)
+            for ra, rb in zip(before, after)
+            for a, b in zip(ra, rb)
+        ),
+        **table_state(),
+    }
+    train_step(dist_clean_x, dist_y)
+    result["after_clean_step"] = {
+        "weights_changed": any(
+            not np.array_equal(a, b)
+            for ra, rb in zip(after, per_replica_weights())
+            for a, b in zip(ra, rb)
+        ),
+        "weights_identical": all(
+            _replicas_identical(strategy, v) for v in weight_variables
+        ),
+        **table_state(),
+    }
+    return result
+
+
 SCENARIOS = {
     "overflow_stock": overflow_stock,
     "overflow_adaptive": overflow_adaptive,
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
+    "per_layer_fit_fp16": per_layer_fit_fp16,
+    "per_layer_fixed_scales_fp32": per_layer_fixed_scales_fp32,
+    "per_layer_overflow_fp16": per_layer_overflow_fp16,
 }
 
 

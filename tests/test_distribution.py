@@ -1,10 +1,11 @@
 """AdaptiveLossScaleOptimizer under `tf.distribute.MirroredStrategy`.
 
 TensorFlow's logical devices must be configured before it initialises, so the
-scenarios run in one subprocess, `tests/distributed_worker.py`, which splits
-the CPU into two logical devices, runs a two-replica `MirroredStrategy` (with
-`jit_compile=False`: XLA with MirroredStrategy fails on CPU, keras#19005) and
-prints its results as JSON on its last stdout line. The tests here assert on
+scenarios run in subprocesses of `tests/distributed_worker.py` (one per group
+of scenarios, see `GROUPS`), which splits the CPU into two logical devices,
+runs a two-replica `MirroredStrategy` (with `jit_compile=False`: XLA with
+MirroredStrategy fails on CPU, keras#19005) and prints its results as JSON on
+its last stdout line. The tests here assert on
 those results.
 
 What each test shows:
@@ -31,6 +32,27 @@ What each test shows:
   and (within 1e-3) `gradient_max` on 2 replicas as on one device.
 - `test_fit_under_strategy_runs`: `model.fit` under the strategy trains (finite
   loss, weights change) and counts every step in `total_steps`.
+
+Per-layer scaling (`tas.instrument`, `scaling="per_layer"`) on a Functional
+model with a residual Add and a Dense layer called twice:
+
+- `test_per_layer_fit_replicas_agree_and_match_single_device`: `model.fit`
+  under `mixed_float16` with `update_every=1`: every replica holds the same
+  per-unit scales, caps, measure flag, `statistics` and weights; the weights
+  are finite, the loss too, and each layer's scale is within one binade of a
+  single-device run on the same global batches (the per-edge max statistic is
+  summed over replicas, up to 2x the single-device one; the histogram is the
+  same).
+- `test_per_layer_fixed_scales_exact_under_strategy`: float32, random fixed
+  per-unit scales in [2**-8, 2**8] (measuring off): 4 steps on 2 replicas
+  give the weights of the *uninstrumented* model trained on one device with
+  `scaling="none"`, within rtol 1e-5 / atol 1e-6: per-variable unscaling is
+  exact under the strategy.
+- `test_per_layer_replica_one_overflow`: all unit scales at 2**15 and an
+  overflow on replica 1's shard only: the step is skipped on both replicas
+  (every replica's weights bitwise unchanged, `skipped_steps == 1`), the
+  scales and caps afterwards are the same on both replicas and some unit was
+  lowered; the next clean step is applied on both alike.
 """
 
 import functools
@@ -47,9 +69,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 
 
+# Scenarios run in one worker process per group. TensorFlow caches the shape
+# of each collective instance by (group key, instance key), and every new
+# MirroredStrategy in a process starts again from the same keys: a strategy
+# whose first all-reduce has a different size than an earlier strategy's fails
+# with "Shape mismatch in the collective instance 100" (tensorflow#62790; plain
+# Keras `fit` on two models of different sizes shows it too). The per-layer
+# scenarios all-reduce a different set of gradients (weights of another model
+# plus the scale table's statistics), so they get their own process.
+GROUPS = (
+    (
+        "overflow_stock",
+        "overflow_adaptive",
+        "equivalence_dynamic_clipnorm",
+        "equivalence_adaptive_fp16",
+    ),
+    (
+        "per_layer_fit_fp16",
+        "per_layer_fixed_scales_fp32",
+        "per_layer_overflow_fp16",
+    ),
+)
+
+
 @functools.lru_cache(maxsize=None)
-def _run_worker():
-    """Runs the worker once per session; returns (results, failure message)."""
+def _run_worker(group):
+    """Runs the worker once per group and session; returns (results, failure
+    message)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (ROOT, env.get("PYTHONPATH")) if p
@@ -57,7 +103,7 @@ def _run_worker():
     env["KERAS_BACKEND"] = "tensorflow"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     proc = subprocess.run(
-        [sys.executable, WORKER],
+        [sys.executable, WORKER, *group],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -76,15 +122,16 @@ def _run_worker():
         )
 
 
-def _results():
-    results, failure = _run_worker()
+def _results(group=GROUPS[0]):
+    results, failure = _run_worker(group)
     if failure:
         pytest.fail(failure)
     return results
 
 
 def _scenario(name):
-    result = _results()[name]
+    (group,) = [g for g in GROUPS if name in g]
+    result = _results(group)[name]
     if "error" in result:
         pytest.fail(f"scenario {name!r} raised in the worker:\n"
                     f"{result['error']}")
@@ -182,3 +229,97 @@ def test_fit_under_strategy_runs(scenario):
     assert mirrored["weights_changed"]
     assert mirrored["total_steps"] == steps
     assert mirrored["iterations"] + mirrored["skipped_steps"] == steps
+
+
+# ---------------------------------------------------------------------------
+# 4. Per-layer scaling (tas.instrument) under the strategy.
+# ---------------------------------------------------------------------------
+
+
+def test_per_layer_fit_replicas_agree_and_match_single_device():
+    r = _scenario("per_layer_fit_fp16")
+    steps = _results(GROUPS[1])["meta"]["steps"]
+    mirrored, single = r["mirrored"], r["single"]
+    # Each replica's copy of the scale table and of the weights is the same.
+    assert len(mirrored["log2_scales_per_replica"]) == 2
+    assert mirrored["log2_scales_identical"]
+    assert mirrored["log2_ceilings_identical"]
+    assert mirrored["measure_identical"]
+    assert mirrored["statistics_identical"]
+    assert mirrored["statistics_nonzero"]
+    assert mirrored["weights_identical"]
+    # It trained: finite weights and loss, every step applied.
+    assert mirrored["weights_finite"]
+    assert mirrored["weights_changed"]
+    assert mirrored["losses"]
+    assert all(math.isfinite(v) for v in mirrored["losses"])
+    assert mirrored["total_steps"] == steps
+    assert mirrored["iterations"] + mirrored["skipped_steps"] == steps
+    assert mirrored["skipped_steps"] == single["skipped_steps"]
+    # The scales were measured (they left their initial 1) ...
+    assert any(v != 1.0 for v in single["layer_scales"].values())
+    # ... and agree with one device within one binade, layer by layer.
+    assert mirrored["layer_scales"].keys() == single["layer_scales"].keys()
+    for name, scale in single["layer_scales"].items():
+        assert abs(math.log2(mirrored["layer_scales"][name]) - math.log2(scale)) <= 1, (
+            name, mirrored["layer_scales"], single["layer_scales"]
+        )
+    # The weights agree up to float16 rounding of the per-replica sums.
+    for m, s in zip(mirrored["weights"], single["weights"]):
+        np.testing.assert_allclose(m, s, rtol=1e-2, atol=1e-3)
+
+
+def test_per_layer_fixed_scales_exact_under_strategy():
+    r = _scenario("per_layer_fixed_scales_fp32")
+    assigned = r["assigned_log2_scales"]
+    assert assigned[0] == 0.0
+    assert any(v != 0.0 for v in assigned[1:])  # not trivially scale 1
+    # The scales stayed fixed (never measured), on both replicas.
+    assert r["log2_scales_per_replica"] == [assigned, assigned]
+    assert r["measure_per_replica"] == [0.0, 0.0]
+    assert r["weights_identical"]
+    assert r["statistics_identical"]
+    mirrored, single = r["mirrored"], r["single_plain"]
+    assert mirrored["weights_changed"]
+    assert mirrored["iterations"] == single["iterations"] == 4
+    assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
+    assert len(mirrored["weights"]) == len(single["weights"])
+    for m, s in zip(mirrored["weights"], single["weights"]):
+        np.testing.assert_allclose(m, s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+
+
+def test_per_layer_replica_one_overflow():
+    r = _scenario("per_layer_overflow_fp16")
+    start = r["initial_log2_scales"]
+    # The setup: replica 0's gradients are finite, replica 1's are not.
+    assert r["local_grads_finite"] == [True, False]
+    # Skipped on both replicas.
+    assert r["weights_bitwise_unchanged"]
+    assert r["weights_finite"]
+    assert r["skipped_steps"] == 1
+    assert r["total_steps"] == 1
+    assert r["iterations"] == 0
+    assert r["last_step_finite"] is False
+    # The same scale table on both replicas, with some unit lowered.
+    assert r["log2_scales_identical"]
+    assert r["log2_ceilings_identical"]
+    assert r["measure_identical"]
+    assert r["statistics_identical"]
+    scales = r["log2_scales_per_replica"][0]
+    assert scales[0] == 0.0  # the loss unit
+    assert any(s < b for s, b in zip(scales[1:], start[1:]))
+    # The unit(s) where the overflow started are capped below 2**15.
+    assert any(c < 15.0 for c in r["log2_ceilings_per_replica"][0][1:])
+    # The next, clean step is applied, alike on both replicas.
+    after = r["after_clean_step"]
+    assert after["weights_changed"]
+    assert after["weights_identical"]
+    assert after["weights_finite"]
+    assert after["last_step_finite"] is True
+    assert after["skipped_steps"] == 1
+    assert after["total_steps"] == 2
+    assert after["iterations"] == 1
+    assert after["log2_scales_identical"]
+    assert after["log2_ceilings_identical"]
+    assert after["statistics_identical"]

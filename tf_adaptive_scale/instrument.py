@@ -58,12 +58,14 @@ def instrument(model, initial_scale=1.0):
     )
     table = ScaleTable(units, initial_scale=initial_scale, name="gradient_scales")
     control, statistics = table(keras.tree.flatten(inputs)[0])
-    producer_of = {}
+    # Gradients leave through the inputs at scale 1, like they enter at the
+    # outputs: an instrumented model nests in any model as a plain layer.
+    producer_of = {id(x): LOSS_UNIT for x in keras.tree.flatten(inputs)}
 
     def boundary(tensor, consumer, output_dtype=None):
         producer = producer_of.get(id(tensor))
         if producer is None or not _is_float(tensor):
-            return tensor  # a model input, or no gradient flows
+            return tensor  # no gradient flows
         return GradientScale(producer, consumer, output_dtype=output_dtype)(
             tensor, control, statistics
         )
@@ -121,6 +123,7 @@ class InstrumentedModel(keras.Model):
             if unit == LOSS_UNIT:
                 continue
             for variable in self.get_layer(name).trainable_weights:
+                variable.gradient_scale_table = self.scale_table
                 variable.gradient_scale_unit = unit
 
     def layer_scales(self):

@@ -102,3 +102,111 @@ def overflow_origins(statistics, weight_non_finite):
 def _keep_loss_unit(values, loss_value=0.0):
     is_loss = ops.arange(values.shape[0]) == boundary.LOSS_UNIT
     return ops.where(is_loss, loss_value, values)
+
+
+class TableStep:
+    """One optimizer step's work on one instrumented model's `ScaleTable`.
+
+    Args:
+        table: The `ScaleTable`.
+        statistics: The statistics its boundaries returned this step, summed
+            over replicas.
+        members: `(position, unit)` pairs: where each of the table's weights
+            sits in the step's gradient list, and its unit.
+        rule: `rule(statistics, weight_max, log2_scales, log2_ceilings)`, the
+            bounded adaptive rule (see `layer_log2_scales`).
+        log2_min: Exponent of the smallest scale.
+
+    Example:
+
+    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, -16.0)
+    """
+
+    def __init__(self, table, statistics, members, rule, log2_min):
+        self.table = table
+        self.statistics = statistics
+        self.positions = [p for p, _ in members]
+        self.units = [u for _, u in members]
+        self.rule = rule
+        self.log2_min = log2_min
+        self.flags = statistics[:, boundary.PRODUCED_NON_FINITE :]
+
+    def divisors(self):
+        """`{position: scale}` of every weight this table governs."""
+        scales = ops.power(2.0, ops.convert_to_tensor(self.table.log2_scales))
+        return {p: scales[u] for p, u in zip(self.positions, self.units)}
+
+    def backward_finite(self):
+        """No boundary saw a non-finite gradient."""
+        return ops.all(self.flags == 0)
+
+    def measured_scales(self, grads):
+        """The rule's exponents from this step (non-finite values ignored).
+
+        Args:
+            grads: The step's unscaled gradients, by position.
+        """
+        weight_max = per_unit_max(
+            ops.stack(
+                [
+                    ops.max(ops.where(ops.isfinite(grads[p]), ops.abs(grads[p]), 0.0))
+                    for p in self.positions
+                ]
+            ),
+            self.units,
+            len(self.table.unit_names),
+        )
+        return self.rule(
+            self.statistics, weight_max, self.table.log2_scales, self.table.log2_ceilings
+        )
+
+    def update(self, grads):
+        """On a finite measured step: every unit takes the rule's scale."""
+        def assign():
+            self.table.log2_scales.assign(self.measured_scales(grads))
+
+        ops.cond(self.table.measure > 0, assign, lambda: None)
+
+    def back_off(self, grads, allowed):
+        """On a skipped step: halve the units where the overflow started.
+
+        Units it did not touch take the rule's scale if this step measured;
+        the origins are first bounded by the rule, then halved.
+
+        Args:
+            grads: The step's unscaled gradients, by position.
+            allowed: bool scalar, False while hysteresis holds the back-off.
+        """
+        current = ops.convert_to_tensor(self.table.log2_scales)
+        measured = ops.cond(
+            self.table.measure > 0,
+            lambda: self.measured_scales(grads),
+            lambda: current,
+        )
+        weight_non_finite = per_unit_max(
+            ops.stack(
+                [ops.cast(~ops.all(ops.isfinite(grads[p])), "float32") for p in self.positions]
+            ),
+            self.units,
+            len(self.table.unit_names),
+        ) > 0
+        involved = weight_non_finite | ops.any(self.flags > 0, axis=-1)
+        back_off = overflow_origins(self.statistics, weight_non_finite) & allowed
+        lowered = ops.maximum(ops.minimum(measured, current) - 1.0, self.log2_min)
+        self.table.log2_scales.assign(
+            ops.where(back_off, lowered, ops.where(involved, current, measured))
+        )
+        self.table.log2_ceilings.assign(
+            ops.where(back_off, lowered, self.table.log2_ceilings)
+        )
+
+    def raise_ceilings(self, grow):
+        """Caps lowered by overflows rise one binade when `grow` is true."""
+        ceilings = self.table.log2_ceilings
+        ceilings.assign(ops.where(grow, ceilings + 1.0, ceilings))
+
+    def record(self, measure_next):
+        """Keeps this step's statistics (skipped steps too: they show where
+        the overflow was) and tells the boundaries whether to measure next."""
+        self.table.statistics.assign(self.statistics)
+        self.table.measure.assign(ops.cast(measure_next, "float32"))

@@ -1,5 +1,6 @@
 """AdaptiveLossScaleOptimizer: bounded, observable loss scaling with clipping."""
 
+import functools
 import math
 
 import keras
@@ -7,7 +8,6 @@ from keras import ops
 
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import distribution
-from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import validation
@@ -41,6 +41,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
       consecutive overflows.
     - `"static"`: the scale stays at `initial_scale`; overflows still skip.
     - `"none"`: no scaling (scale 1); non-finite steps are still skipped.
+    - `"per_layer"`: for models made by `tas.instrument`: every layer has its
+      own scale, applied inside the backward pass (the loss itself is not
+      scaled). Each weight gradient is unscaled by its layer's scale; every
+      `update_every` steps each layer's scale is set by the adaptive rule from
+      the statistics its boundaries gathered in the backward pass; an
+      overflow skips the step and halves only the scales of the layers where
+      it started. `layer_scales()` returns them by layer name.
 
     Scales are always powers of two in `[min_scale, max_scale]`. Statistics
     (`gradient_histogram`, `gradient_max`, `underflow_fraction`,
@@ -56,7 +63,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
-        scaling: One of `"adaptive"`, `"dynamic"`, `"static"`, `"none"`.
+        scaling: One of `"adaptive"`, `"dynamic"`, `"static"`, `"none"`,
+            `"per_layer"`.
             Defaults to `None`: `"adaptive"` when the global dtype policy
             computes in float16, `"none"` otherwise (bfloat16, float32).
         initial_scale: Power of two, the scale before the first update.
@@ -317,22 +325,22 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
-        table, pairs = self._split_scale_table(pairs)
+        pairs, tables = self._split_scale_tables(pairs)
         grads, variables = (list(x) for x in zip(*pairs))
         scaled = not self._gradients_unscaled
         self._gradients_unscaled = False
         distribution.run_step(
-            lambda g, apply_fn: self._step(g, variables, apply_fn, scaled, table),
+            lambda g, apply_fn: self._step(g, variables, apply_fn, scaled, tables),
             self.inner_optimizer.apply,
-            grads,
-            variables[: len(variables) - (table is not None)],
+            grads + [g for g, _ in tables],
+            variables,
         )
 
-    def _split_scale_table(self, pairs):
-        """Moves the statistics of an instrumented model's ScaleTable last."""
+    def _split_scale_tables(self, pairs):
+        """Separates the statistics of instrumented models' ScaleTables."""
         tables = [p for p in pairs if hasattr(p[1], "scale_table")]
         rest = [p for p in pairs if not hasattr(p[1], "scale_table")]
-        if self.mode == "per_layer" and len(tables) != 1:
+        if self.mode == "per_layer" and not tables:
             raise ValueError(
                 "scaling='per_layer' needs the gradients of a model made by "
                 "tas.instrument(model), including its `statistics` variable "
@@ -344,17 +352,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "scales): use AdaptiveLossScaleOptimizer(..., "
                 f"scaling='per_layer'), not scaling={self.mode!r}."
             )
-        if not tables:
-            return None, rest
-        for _, v in rest:
-            if not hasattr(v, "gradient_scale_unit"):
-                raise ValueError(
-                    f"Variable {v.path} is not a weight of the instrumented "
-                    "model: its gradient scale is unknown."
-                )
-        table = tables[0][1].scale_table
-        self._scale_table = table
-        return table, rest + tables
+        self._scale_tables = [v.scale_table for _, v in tables]
+        return rest, [(g, v.scale_table) for g, v in tables]
 
     def layer_scales(self):
         """The current per-layer scales by layer name (per-layer mode).
@@ -362,14 +361,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Returns:
             A dict of Python floats; empty before the first step.
         """
-        table = getattr(self, "_scale_table", None)
-        return {} if table is None else table.scales()
+        scales = {}
+        for table in getattr(self, "_scale_tables", []):
+            scales.update(table.scales())
+        return scales
 
-    def _step(self, grads, variables, apply_fn, scaled, table):
+    def _step(self, grads, variables, apply_fn, scaled, tables):
         """One step on the (replica-summed) gradients."""
-        if table is not None:
-            *grads, table_grad = grads
-            variables = variables[:-1]
+        grads, table_grads = grads[: len(variables)], grads[len(variables) :]
         regular = [
             i
             for i, v in enumerate(variables)
@@ -377,102 +376,66 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ]
         scale = ops.convert_to_tensor(self.dynamic_scale)
         finite = self.check_finite(grads)
-        if table is None:
-            divisors = {i: scale for i in regular}
-            measure = ops.equal(self.steps_since_update, 0)
+        steps = [
+            self._table_step(table, statistics, variables, regular)
+            for (_, table), statistics in zip(tables, table_grads)
+        ]
+        if self.mode == "per_layer":
+            # Weights outside every instrumented block carry no scale.
+            divisors = {i: ops.ones((), "float32") for i in regular}
+            for step in steps:
+                divisors.update(step.divisors())
+                finite = ops.logical_and(finite, step.backward_finite())
         else:
-            units = [variables[i].gradient_scale_unit for i in regular]
-            unit_scales = ops.power(2.0, ops.convert_to_tensor(table.log2_scales))
-            divisors = {i: unit_scales[u] for i, u in zip(regular, units)}
-            flags = table_grad[:, gradient_scale.PRODUCED_NON_FINITE :]
-            finite = ops.logical_and(finite, ops.all(flags == 0))
-            measure = table.measure > 0
+            divisors = {i: scale for i in regular}
+        unscaled = [
+            g / ops.cast(divisors[i], g.dtype) if i in divisors and scaled else g
+            for i, g in enumerate(grads)
+        ]
 
         def on_finite():
-            unscaled = [
-                g / ops.cast(divisors[i], g.dtype)
-                if i in divisors and scaled
-                else g
-                for i, g in enumerate(grads)
-            ]
             regular_grads = [unscaled[i] for i in regular]
-
-            def measure_step():
-                self._measure(regular_grads, scale)
-                if table is not None:
-                    table.log2_scales.assign(
-                        self._layer_rule(table, table_grad, regular_grads, units)
-                    )
-
-            ops.cond(measure, measure_step, lambda: None)
+            ops.cond(
+                ops.equal(self.steps_since_update, 0),
+                lambda: self._measure(regular_grads, scale),
+                lambda: None,
+            )
+            for step in steps:
+                step.update(unscaled)
             clipped = self._clip(regular_grads, [variables[i] for i in regular])
+            applied = list(unscaled)
             for i, g in zip(regular, clipped):
-                unscaled[i] = g
-            apply_fn(unscaled)
-            self._after_finite_step(table)
+                applied[i] = g
+            apply_fn(applied)
+            self._after_finite_step(steps)
 
         def on_non_finite():
-            self._after_non_finite_step(table)
-            if table is None:
-                return
-            weight_non_finite = layer_scaling.per_unit_max(
-                ops.stack(
-                    [ops.cast(~ops.all(ops.isfinite(grads[i])), "float32") for i in regular]
-                ),
-                units,
-                len(table.unit_names),
-            ) > 0
-            current = ops.convert_to_tensor(table.log2_scales)
-            # Units the overflow did not touch still measured valid statistics;
-            # the rule also bounds the units it started in, before halving.
-            measured = ops.cond(
-                measure,
-                lambda: self._layer_rule(
-                    table, table_grad, [grads[i] / divisors[i] for i in regular], units
-                ),
-                lambda: current,
-            )
-            involved = weight_non_finite | ops.any(flags > 0, axis=-1)
-            origins = layer_scaling.overflow_origins(table_grad, weight_non_finite)
-            back_off = origins & ops.equal(self.overflow_streak, 0)  # hysteresis
-            lowered = ops.maximum(
-                ops.minimum(measured, current) - 1.0, math.log2(self.min_scale)
-            )
-            table.log2_scales.assign(
-                ops.where(back_off, lowered, ops.where(involved, current, measured))
-            )
-            table.log2_ceilings.assign(
-                ops.where(back_off, lowered, table.log2_ceilings)
-            )
+            self._after_non_finite_step(steps)
+            allowed = ops.equal(self.overflow_streak, 0)  # hysteresis reached
+            for step in steps:
+                step.back_off(unscaled, allowed)
 
         ops.cond(finite, on_finite, on_non_finite)
         self.total_steps.assign_add(1)
         self.last_step_finite.assign(finite)
-        if table is not None:
-            # Kept on skipped steps too: they show where the overflow was.
-            table.statistics.assign(table_grad)
-            table.measure.assign(
-                ops.cast(ops.equal(self.steps_since_update, 0), "float32")
-            )
+        for step in steps:
+            step.record(ops.equal(self.steps_since_update, 0))
 
-    def _layer_rule(self, table, statistics, unscaled, units):
-        """Every unit's scale exponent by the rule, from one backward pass."""
-        weight_max = layer_scaling.per_unit_max(
-            ops.stack(
-                [ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)) for g in unscaled]
-            ),
-            units,
-            len(table.unit_names),
+    def _table_step(self, table, statistics, variables, regular):
+        members = [
+            (i, variables[i].gradient_scale_unit)
+            for i in regular
+            if getattr(variables[i], "gradient_scale_table", None) is table
+        ]
+        rule = functools.partial(
+            layer_scaling.layer_log2_scales,
+            underflow_rate=self.underflow_rate,
+            log2_headroom=math.log2(self.headroom),
+            log2_min=math.log2(self.min_scale),
+            log2_max=math.log2(self.max_scale),
         )
-        return layer_scaling.layer_log2_scales(
-            statistics,
-            weight_max,
-            table.log2_scales,
-            table.log2_ceilings,
-            self.underflow_rate,
-            math.log2(self.headroom),
-            math.log2(self.min_scale),
-            math.log2(self.max_scale),
+        return layer_scaling.TableStep(
+            table, statistics, members, rule, math.log2(self.min_scale)
         )
 
     def _measure(self, unscaled, scale):
@@ -555,7 +518,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.norm_history_count.assign_add(1)
         return grads, acted
 
-    def _after_finite_step(self, table=None):
+    def _after_finite_step(self, table_steps):
         self.overflow_streak.assign(0)
         self.steps_since_update.assign(
             ops.mod(self.steps_since_update + 1, self.update_every)
@@ -564,10 +527,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return
         grow = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
         self.step_counter.assign(ops.where(grow, 0, self.step_counter + 1))
-        if table is not None:
-            # Per-layer caps lowered by overflows rise again, one binade.
-            ceilings = table.log2_ceilings
-            ceilings.assign(ops.where(grow, ceilings + 1.0, ceilings))
+        if self.mode == "per_layer":
+            for step in table_steps:
+                step.raise_ceilings(grow)
             return
         # Dynamic mode grows the scale; adaptive mode the cap on its updates.
         grown = (
@@ -577,7 +539,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.where(grow, ops.minimum(grown * 2.0, self.max_scale), grown)
         )
 
-    def _after_non_finite_step(self, table=None):
+    def _after_non_finite_step(self, table_steps):
         self.skipped_steps.assign_add(1)
         if self.mode not in ("dynamic", "adaptive", "per_layer"):
             return
@@ -586,8 +548,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.overflow_streak.assign(ops.where(back_off, 0, streak))
         self.step_counter.assign(0)
         self.steps_since_update.assign(0)  # measure again on the next step
-        if table is not None:
-            return  # the caller backs off the units where it overflowed
+        if self.mode == "per_layer":
+            return  # each table backs off where the overflow started
         scale = ops.where(
             back_off,
             ops.maximum(self.dynamic_scale * 0.5, self.min_scale),
