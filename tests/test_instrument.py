@@ -140,3 +140,9 @@ def test_instrumented_model_needs_per_layer_optimizer():
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling="per_layer")
     with pytest.raises(ValueError, match="needs the gradients of a model made by"):
         opt.apply(gradients(model, model.trainable_variables, x, y), model.trainable_variables)
+
+
+def test_instrumenting_twice_is_refused():
+    model, _, _ = build("sequential", "float32")
+    with pytest.raises(ValueError, match="already instrumented"):
+        tas.instrument(tas.instrument(model))

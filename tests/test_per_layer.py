@@ -188,3 +188,61 @@ def test_checkpoint_restores_every_scale(tmp_path):
     inst.scale_table.log2_scales.assign(np.zeros_like(inst.scale_table.log2_scales.numpy()))
     tf.train.Checkpoint(model=inst, optimizer=inst.optimizer).restore(prefix).assert_consumed()
     assert inst.layer_scales() == scales
+
+
+class TwoBlockNet(keras.Model):
+    """A subclassed model: per-layer scaling comes from instrumented blocks."""
+
+    def __init__(self, encoder, decoder, head):
+        super().__init__()
+        self.encoder, self.decoder, self.head = encoder, decoder, head
+
+    def call(self, x):
+        h = self.encoder(x)
+        return self.head(self.decoder(h) + h)
+
+
+def blocks(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(3)
+    encoder = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+    x = keras.Input((8,))
+    decoder = keras.Model(x, keras.layers.Dense(8)(keras.layers.Dense(8, activation="relu")(x)))
+    return encoder, decoder, keras.layers.Dense(2)
+
+
+def test_subclassed_model_with_instrumented_blocks_is_exact():
+    encoder, decoder, head = blocks("float32")
+    plain = TwoBlockNet(encoder, decoder, head)
+    net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
+    x = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
+    np.testing.assert_allclose(net(x), plain(x), rtol=1e-6)
+    rng = np.random.default_rng(1)
+    for block in (net.encoder, net.decoder):
+        log2 = rng.integers(-10, 11, len(block.scale_table.unit_names)).astype("float32")
+        log2[0] = 0
+        block.scale_table.log2_scales.assign(log2)
+
+    def grads(model):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)))
+        return dict(zip([id(v) for v in model.trainable_variables],
+                        tape.gradient(loss, model.trainable_variables)))
+
+    reference, got = grads(plain), grads(net)
+    for v in plain.trainable_variables:
+        table = getattr(v, "gradient_scale_table", None)
+        scale = 1.0 if table is None else 2.0 ** table.log2_scales.numpy()[v.gradient_scale_unit]
+        np.testing.assert_allclose(got[id(v)].numpy() / scale, reference[id(v)].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
+    encoder, decoder, head = blocks("mixed_float16")
+    net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
+    opt = per_layer_optimizer(keras.optimizers.Adam(1e-2), update_every=2)
+    net.compile(opt, "mse", jit_compile=True)
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((64, 6)).astype("float32"), rng.standard_normal((64, 2)).astype("float32")
+    losses = net.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
+    assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
+    assert set(opt.layer_scales()) == set(net.encoder.layer_scales()) | set(net.decoder.layer_scales())

@@ -40,15 +40,22 @@ def instrument(model, initial_scale=1.0):
         raise TypeError(
             "`model` must be a built Sequential or Functional keras.Model: "
             "per-layer scaling follows the layer graph, which a subclassed "
-            "model does not expose. Use the global adaptive scale for it "
-            f"(AdaptiveLossScaleOptimizer). Received: {model!r}"
+            "model does not expose. Instrument its Functional/Sequential "
+            "blocks instead (self.block = tas.instrument(block)), or use the "
+            f"global adaptive scale. Received: {model!r}"
         )
     if not model.built or not model.inputs:
         raise ValueError(
             "`model` must be built on known inputs (e.g. start it with "
             "keras.Input) before it can be instrumented."
         )
-    units = ["loss"] + [layer.name for layer in _leaf_layers(model)]
+    leaves = _leaf_layers(model)
+    if any(isinstance(l, (ScaleTable, GradientScale)) for l in leaves):
+        raise ValueError(
+            "`model` is already instrumented (it holds gradient-scale "
+            "boundaries); instrument the original model instead."
+        )
+    units = ["loss"] + [layer.name for layer in leaves]
     index = {name: i for i, name in enumerate(units)}
     # A Sequential model's `input` is undefined until it is called.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
