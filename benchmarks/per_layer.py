@@ -325,8 +325,9 @@ WORKLOADS = {
     "mlp": ("c", build_mlp, data_mlp, loss_ce_mean, None),
     "cnn": ("c", build_cnn, data_cnn, loss_ce_mean, None),
 }
+# log2 of the pixel / token counts per micro-batch.
 SIZES = {
-    "unet": {"default": [12, 14, 16, 18], "quick": [12, 14, 16]},
+    "unet": {"default": [12, 14, 16, 18, 20], "quick": [12, 14, 16]},
     "transformer": {"default": [8, 10, 12, 14], "quick": [8, 10, 12]},
 }
 
@@ -988,6 +989,12 @@ def parse_args(argv=None):
                         "short cost run (~2 min)")
     parser.add_argument("--only", default=",".join(WORKLOADS),
                         help="comma-separated workloads: " + ", ".join(WORKLOADS))
+    parser.add_argument("--unet-sizes", default=None,
+                        help="comma-separated log2 pixel counts (default "
+                        "12,14,16,18,20; quick 12,14,16)")
+    parser.add_argument("--transformer-sizes", default=None,
+                        help="comma-separated log2 token counts (default "
+                        "8,10,12,14; quick 8,10,12)")
     parser.add_argument("--k-min", type=int, default=-12)
     parser.add_argument("--k-max", type=int, default=24)
     parser.add_argument("--k-step", type=int, default=None,
@@ -1014,6 +1021,13 @@ def parse_args(argv=None):
         args.cost_repeats = 5 if quick else 15
     if args.cost_steps is None:
         args.cost_steps = 20 if quick else 50
+    args.sizes = {}
+    for name in SIZES:
+        given = getattr(args, f"{name}_sizes")
+        args.sizes[name] = (
+            [int(v) for v in given.split(",")] if given
+            else SIZES[name]["quick" if quick else "default"]
+        )
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in args.only if n not in WORKLOADS]
     if unknown:
@@ -1027,7 +1041,7 @@ def main(argv=None):
     began = time.perf_counter()
     results = []
     for name in args.only:
-        sizes = SIZES.get(name, {}).get("quick" if args.quick else "default", [None])
+        sizes = args.sizes.get(name, [None])
         for size in sizes:
             label = "" if size is None else f" 2^{size}"
             print(f"running {name}{label} ...", flush=True)

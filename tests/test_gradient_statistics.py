@@ -102,3 +102,28 @@ def test_rule_is_vectorized_over_rows():
     np.testing.assert_array_equal(np.asarray(low), [6, 6])
     np.testing.assert_array_equal(np.asarray(high), [18, 15])
     np.testing.assert_array_equal(np.asarray(log2_scale), [14, 11])
+
+
+def test_mass_criterion_ignores_tiny_values_that_carry_no_norm():
+    # Half the values are tiny (2**-40) and carry ~2**-60 of the squared norm.
+    values = np.array([2.0**-40] * 500 + [2.0**-10] * 500, "float32")
+    hist, max_abs = stats.exponent_histogram([ops.array(values)])
+    count_low, _ = stats.scale_bounds(hist, max_abs, 1e-3)
+    mass_low, _ = stats.scale_bounds(stats.mass_histogram(hist), max_abs, 1e-3)
+    assert float(count_low) == 16  # keep the tiny half: 2**-40 * 2**16
+    assert float(mass_low) == -14  # keep only what carries the norm: 2**-10 * 2**-14
+    # The mass share that underflows at 2**14: the tiny half's, about 2**-60.
+    share = float(stats.underflow_fraction(stats.mass_histogram(hist), 14.0))
+    assert 0 < share < 2.0**-55
+    expected = np.sum(values[values * 2.0**14 < 2.0**-24] ** 2) / np.sum(values**2)
+    assert share == pytest.approx(expected, rel=1.0)  # within the 4x bin width
+
+
+def test_mass_histogram_of_empty_histogram_is_zero():
+    empty = ops.zeros((stats.NUM_BINS,))
+    assert float(ops.sum(stats.mass_histogram(empty))) == 0.0
+
+
+def test_pow2_is_exact():
+    exponents = np.arange(-126, 128, dtype="float32")
+    np.testing.assert_array_equal(np.asarray(stats.pow2(ops.array(exponents))), 2.0**exponents)

@@ -206,3 +206,21 @@ def test_last_step_finite_and_counters_in_fit():
     assert int(opt.total_steps) == 4 and int(opt.skipped_steps) == skipped + 1
     assert not bool(opt.last_step_finite.numpy())
     assert np.all(np.isfinite(model.get_weights()[0]))
+
+
+def test_adaptive_mass_criterion_and_rise_cap():
+    # 30% of the values at 2**-40 (count: must not underflow), the rest larger.
+    g = np.concatenate([np.full(300, 2.0**-40), np.full(700, 2.0**-12), [2.0**-4]])
+    count, var = make(dict(scaling="adaptive", initial_scale=2.0**3, headroom=2.0**8), shape=(1001,))
+    mass, var_m = make(
+        dict(scaling="adaptive", initial_scale=2.0**3, headroom=2.0**8, underflow_criterion="mass"),
+        shape=(1001,),
+    )
+    # high = floor(log2(65504 / 2**-4)) = 19; count: low = 16 -> max(19 - 8, 16) = 16;
+    # mass: low = -24 + 12 = 12 -> 19 - 8 = 11.
+    assert run(count, var, [g * 2.0**3]) == [2.0**16]
+    assert run(mass, var_m, [g * 2.0**3]) == [2.0**11]
+    capped, var_c = make(
+        dict(scaling="adaptive", initial_scale=2.0**3, headroom=2.0**8, max_scale_rise=2), shape=(1001,)
+    )
+    assert run(capped, var_c, [g * 2.0**3]) == [2.0**5]

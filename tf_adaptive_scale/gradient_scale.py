@@ -206,7 +206,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     log2_in = control[consumer]
     log2_out = control[producer]
     dy32 = ops.cast(dy, "float32")
-    dx32 = dy32 * ops.power(2.0, log2_out - log2_in)
+    dx32 = dy32 * stats.pow2(log2_out - log2_in)
     dx = ops.cast(dx32, input_dtype)
 
     dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
@@ -214,8 +214,8 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     # One fused reduction: the max of |dy| with non-finite values as inf.
     peak = ops.max(ops.where(finite, ops.abs(dy32), np.inf))
     produced_bad = ops.logical_not(ops.isfinite(peak))
-    converted_bad = peak * ops.power(2.0, log2_out - log2_in) > dtype_max
-    unscaled_peak = ops.where(produced_bad, 0.0, peak * ops.power(2.0, -log2_in))
+    converted_bad = peak * stats.pow2(log2_out - log2_in) > dtype_max
+    unscaled_peak = ops.where(produced_bad, 0.0, peak * stats.pow2(-log2_in))
     no_histogram = ops.zeros((stats.NUM_BINS,), "float32")
     if keras.backend.standardize_dtype(input_dtype) != "float16":
         # Only float16 tensors have a range to fit the scale to.
@@ -224,7 +224,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     else:
         histogram = ops.cond(
             control[-1] > 0,
-            lambda: stats.exponent_histogram([dy32 * ops.power(2.0, -log2_in)])[0],
+            lambda: stats.exponent_histogram([dy32 * stats.pow2(-log2_in)])[0],
             lambda: no_histogram,
         )
     producer_row = ops.concatenate(

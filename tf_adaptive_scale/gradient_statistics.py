@@ -10,6 +10,7 @@ All functions work on the last axis, so a stack of histograms (one row per
 tensor, as the per-layer scales need) goes through the same code.
 """
 
+import numpy as np
 from keras import ops
 
 # Exponent bins: bin `i` counts values with floor(log2|g|) == i + EXPONENT_MIN;
@@ -22,6 +23,24 @@ NUM_BINS = 128
 FLOAT16_MAX = 65504.0
 # floor(log2(x)) < -24  <=>  x < 2**-24, float16's smallest subnormal.
 FLOAT16_SUBNORMAL_EXPONENT = -24
+
+
+def pow2(exponent):
+    """`2**exponent`, exact, for integer-valued float exponents.
+
+    `ops.power(2.0, x)` goes through exp/log and can miss the power of two by
+    an ulp (2**13 -> 8191.9946 under XLA on CPU); this builds the float32
+    bits instead. Exponents are clipped to float32's normal range [-126, 127].
+
+    Args:
+        exponent: float or int tensor of integer values.
+
+    Returns:
+        float32 tensor of the same shape.
+    """
+    # Rounded: exponents from ops.log2 can be an ulp off an integer.
+    biased = ops.cast(ops.round(ops.clip(exponent, -126, 127)), "int32") + 127
+    return ops.view(biased * (1 << 23), "float32")
 
 
 def exponent_histogram(tensors):
@@ -57,6 +76,28 @@ def exponent_histogram(tensors):
             max_abs, ops.max(ops.where(counted, magnitude, 0.0))
         )
     return histogram, max_abs
+
+
+def mass_histogram(histogram):
+    """Weights an exponent histogram by squared magnitude.
+
+    Fed to `scale_bounds`/`underflow_fraction` in place of the counts, it
+    turns the count-based criterion into a mass-based one: the share of the
+    squared L2 norm that underflows (bins are weighted by `4**exponent`,
+    relative to the largest occupied bin, so within a factor 4 per value).
+    Many tiny values can underflow while carrying almost none of the norm.
+
+    Args:
+        histogram: Exponent histogram(s), shape `(..., NUM_BINS)`.
+
+    Returns:
+        float32 tensor of the same shape.
+    """
+    exponents = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
+    occupied = ops.where(histogram > 0, exponents, -np.inf)
+    top = ops.max(occupied, axis=-1, keepdims=True)
+    top = ops.where(ops.isfinite(top), top, 0.0)
+    return histogram * pow2(2.0 * ops.minimum(exponents - top, 0.0))
 
 
 def underflow_fraction(histogram, log2_scale):
@@ -139,7 +180,9 @@ __all__ = [
     "EXPONENT_MIN",
     "NUM_BINS",
     "FLOAT16_MAX",
+    "pow2",
     "exponent_histogram",
+    "mass_histogram",
     "underflow_fraction",
     "scale_bounds",
     "adaptive_log2_scale",

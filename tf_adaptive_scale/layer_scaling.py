@@ -30,7 +30,7 @@ def per_unit_max(values, units, num_units):
 
 def layer_log2_scales(
     statistics, weight_max, log2_scales, log2_ceilings, underflow_rate,
-    log2_headroom, log2_min, log2_max,
+    log2_headroom, log2_min, log2_max, weigh=None, max_rise=None,
 ):
     """Each unit's new scale exponent by the adaptive rule.
 
@@ -47,6 +47,10 @@ def layer_log2_scales(
         log2_headroom: Exponent of the headroom.
         log2_min: Exponent of the smallest scale.
         log2_max: Exponent of the largest scale.
+        weigh: Optional `weigh(histogram)` giving the weights the underflow
+            fraction is taken over (e.g. `gradient_statistics.mass_histogram`);
+            by default the counts.
+        max_rise: Optional most binades a scale may rise.
 
     Returns:
         `(units,)` float32 exponents; the loss unit stays at 0 and a unit
@@ -59,8 +63,9 @@ def layer_log2_scales(
         ),
         weight_max,
     )
+    weights = histogram if weigh is None else weigh(histogram)
     chosen, _, _ = stats.adaptive_log2_scale(
-        histogram, peak, underflow_rate, log2_headroom
+        weights, peak, underflow_rate, log2_headroom
     )
     chosen = ops.minimum(ops.clip(chosen, log2_min, log2_max), log2_ceilings)
     # All-zero gradients may have underflowed entirely: raise the scale.
@@ -68,6 +73,8 @@ def layer_log2_scales(
         ops.minimum(log2_scales + UNSEEN_STEP, log2_max), log2_ceilings
     )
     chosen = ops.where(ops.sum(histogram, axis=-1) > 0, chosen, raised)
+    if max_rise is not None:
+        chosen = ops.minimum(chosen, log2_scales + max_rise)
     return _keep_loss_unit(chosen)
 
 
@@ -133,7 +140,7 @@ class TableStep:
 
     def divisors(self):
         """`{position: scale}` of every weight this table governs."""
-        scales = ops.power(2.0, ops.convert_to_tensor(self.table.log2_scales))
+        scales = stats.pow2(ops.convert_to_tensor(self.table.log2_scales))
         return {p: scales[u] for p, u in zip(self.positions, self.units)}
 
     def backward_finite(self):

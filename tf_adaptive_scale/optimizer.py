@@ -50,8 +50,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
       it started. `layer_scales()` returns them by layer name.
 
     Scales are always powers of two in `[min_scale, max_scale]`. Statistics
-    (`gradient_histogram`, `gradient_max`, `underflow_fraction`,
-    `scale_window`) are measured every `update_every` steps in every mode.
+    (`gradient_histogram`, `gradient_max`, `gradient_norm`,
+    `underflow_fraction`, `scale_window`) are measured every `update_every`
+    steps in every mode; other steps pay for none of them.
 
     Clipping acts on unscaled gradients, in this order: AGC, `clipvalue`,
     `clipnorm`, `global_clipnorm`, AutoClip. `clipped_steps` counts the steps
@@ -76,8 +77,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         update_every: Steps between two measurements of the statistics.
         underflow_rate: In (0, 1), the tolerated fraction of nonzero gradient
             values below float16's smallest subnormal.
+        underflow_criterion: `"count"` (the paper's: a fraction of the
+            values) or `"mass"` (a fraction of the squared gradient norm,
+            which tiny values barely carry).
         headroom: Power of two >= 1 kept between the largest scaled gradient
             and float16's maximum.
+        max_scale_rise: Optional int, the most binades an adaptive or
+            per-layer scale may rise in one update (falls are never capped).
         clipnorm: Clip each gradient tensor to this L2 norm.
         clipvalue: Clip each gradient element to `[-clipvalue, clipvalue]`.
         global_clipnorm: Clip all gradients together to this global norm.
@@ -111,7 +117,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         hysteresis=1,
         update_every=100,
         underflow_rate=1e-3,
+        underflow_criterion="count",
         headroom=2.0**4,
+        max_scale_rise=None,
         clipnorm=None,
         clipvalue=None,
         global_clipnorm=None,
@@ -152,6 +160,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         underflow_rate = validation.open_unit_interval(
             "underflow_rate", underflow_rate
         )
+        validation.one_of(
+            "underflow_criterion", underflow_criterion, ("count", "mass")
+        )
+        if max_scale_rise is not None:
+            max_scale_rise = validation.positive_int("max_scale_rise", max_scale_rise)
         headroom = validation.power_of_two("headroom", headroom)
         if headroom < 1:
             raise ValueError(f"`headroom` must be >= 1. Received: {headroom}")
@@ -198,6 +211,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.hysteresis = hysteresis
         self.update_every = update_every
         self.underflow_rate = underflow_rate
+        self.underflow_criterion = underflow_criterion
+        self.max_scale_rise = max_scale_rise
         self.headroom = headroom
         self.clip_norm = clip_norm
         self.clip_value = clip_value
@@ -433,6 +448,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             log2_headroom=math.log2(self.headroom),
             log2_min=math.log2(self.min_scale),
             log2_max=math.log2(self.max_scale),
+            weigh=self._criterion_weights,
+            max_rise=self.max_scale_rise,
         )
         return layer_scaling.TableStep(
             table, statistics, members, rule, math.log2(self.min_scale)
@@ -441,33 +458,41 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _measure(self, unscaled, scale):
         """Records the statistics and, in adaptive mode, sets the scale."""
         histogram, max_abs = stats.exponent_histogram(unscaled)
+        weights = self._criterion_weights(histogram)
         log2_scale, low, high = stats.adaptive_log2_scale(
-            histogram,
-            max_abs,
-            self.underflow_rate,
-            math.log2(self.headroom),
+            weights, max_abs, self.underflow_rate, math.log2(self.headroom)
         )
         if self.mode == "adaptive":
-            log2_scale = ops.clip(
-                log2_scale, math.log2(self.min_scale), math.log2(self.max_scale)
+            log2_scale = ops.minimum(
+                ops.clip(
+                    log2_scale, math.log2(self.min_scale), math.log2(self.max_scale)
+                ),
+                ops.log2(self.scale_ceiling),
             )
-            new_scale = ops.maximum(
-                ops.minimum(ops.power(2.0, log2_scale), self.scale_ceiling),
-                self.min_scale,
-            )
+            if self.max_scale_rise is not None:
+                log2_scale = ops.minimum(
+                    log2_scale, ops.round(ops.log2(scale)) + self.max_scale_rise
+                )
             # Nothing nonzero to measure: keep the scale.
-            scale = ops.where(ops.sum(histogram) > 0, new_scale, scale)
+            scale = ops.where(
+                ops.sum(histogram) > 0, stats.pow2(log2_scale), scale
+            )
             self.dynamic_scale.assign(scale)
         self.gradient_histogram.assign(histogram)
         self.gradient_max.assign(max_abs)
+        self.gradient_norm.assign(clipping.global_norm(unscaled))
         self.scale_window.assign(ops.stack([low, high]))
         self.underflow_fraction.assign(
-            stats.underflow_fraction(histogram, ops.log2(scale))
+            stats.underflow_fraction(weights, ops.round(ops.log2(scale)))
         )
+
+    def _criterion_weights(self, histogram):
+        if self.underflow_criterion == "mass":
+            return stats.mass_histogram(histogram)
+        return histogram
 
     def _clip(self, grads, variables):
         """Clips unscaled gradients; counts the steps where clipping acted."""
-        self.gradient_norm.assign(clipping.global_norm(grads))
         acted = []
         if self.agc_factor is not None:
             grads, a = clipping.adaptive_grad_clip(
@@ -581,6 +606,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "hysteresis": self.hysteresis,
                 "update_every": self.update_every,
                 "underflow_rate": self.underflow_rate,
+                "underflow_criterion": self.underflow_criterion,
+                "max_scale_rise": self.max_scale_rise,
                 "headroom": self.headroom,
                 "clipnorm": self.clip_norm,
                 "clipvalue": self.clip_value,
