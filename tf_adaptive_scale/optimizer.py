@@ -277,7 +277,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self.norm_history_count = self._state(
                 "norm_history_count", 0, dtype="int32"
             )
-        self.inner_optimizer.build(var_list)
+        # An instrumented model's `statistics` is written here, never trained.
+        self.inner_optimizer.build(
+            [v for v in var_list if not hasattr(v, "scale_table")]
+        )
         # Skip LossScaleOptimizer.build: its state is created above.
         keras.optimizers.Optimizer.build(self, var_list)
 
