@@ -246,3 +246,39 @@ def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
     losses = net.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
     assert set(opt.layer_scales()) == set(net.encoder.layer_scales()) | set(net.decoder.layer_scales())
+
+
+def test_units_whose_gradient_all_underflowed_rise_at_once():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")])
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=100)
+    variables = inst.trainable_variables
+    opt.build(variables)
+    x = np.ones((8, 4), "float32")
+    history = []
+    for _ in range(4):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(inst(x)) * 2.0**-40
+        opt.apply(tape.gradient(loss, variables), variables)
+        history.append(inst.layer_scales())
+    # Step 1: "b" sees its float32 output gradient (2**-40) and takes the top
+    # scale; "a" gets b's float16 input gradient at scale 1, all underflowed,
+    # so it rises by 2**8 and the next step measures again (not 100 later).
+    assert history[0] == {"a": 2.0**8, "b": 2.0**24}
+    assert history[1]["a"] > 2.0**8 and history[1]["b"] == 2.0**24
+    assert history[2] == history[3] and float(inst.scale_table.measure.numpy()) == 0.0
+    assert int(opt.skipped_steps) == 0
+
+
+def test_fresh_optimizer_on_a_trained_instrumented_model_measures():
+    inst, x, y = trained()
+    table = inst.scale_table
+    table.log2_scales.assign(np.zeros_like(table.log2_scales.numpy()))
+    table.measure.assign(0.0)  # as left by an earlier optimizer mid-cycle
+    opt = per_layer_optimizer(update_every=100)
+    inst.compile(opt, "mse", jit_compile=False)
+    inst.train_on_batch(x, y)
+    assert float(table.measure.numpy()) == 1.0  # the missed measurement is made up
+    inst.train_on_batch(x, y)
+    assert any(v != 1.0 for v in inst.layer_scales().values())

@@ -23,9 +23,11 @@ def instrument(model, initial_scale=1.0):
     Args:
         model: A built Sequential or Functional Keras model.
         initial_scale: Power of two, every unit's scale before the first
-            measurement (on the first step). The default 1 cannot overflow
-            where float32 would not; what underflows on that one step is
-            measured as zero, and all-zero units rise quickly.
+            measurement (on the first step). The default 1 rarely overflows
+            (a large float16 sum reduction can, at the cost of one skipped
+            step); what underflows on that step is measured as zero, and a
+            unit whose gradient all underflowed rises 2**8 per step until it
+            sees values.
 
     Returns:
         An `InstrumentedModel`.

@@ -123,13 +123,14 @@ class TableStep:
         rule: `rule(statistics, weight_max, log2_scales, log2_ceilings)`, the
             bounded adaptive rule (see `layer_log2_scales`).
         log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
 
     Example:
 
-    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, -16.0)
+    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, -16.0, 24.0)
     """
 
-    def __init__(self, table, statistics, members, rule, log2_min):
+    def __init__(self, table, statistics, members, rule, log2_min, log2_max):
         self.table = table
         self.statistics = statistics
         self.positions = [p for p, _ in members]
@@ -137,6 +138,12 @@ class TableStep:
         self.rule = rule
         self.log2_min = log2_min
         self.flags = statistics[:, boundary.PRODUCED_NON_FINITE :]
+        self.measured = table.measure > 0
+        # A unit whose gradient all underflowed rises UNSEEN_STEP binades per
+        # measurement; measure again at once until it sees values or its cap.
+        empty = ops.sum(statistics[:, : stats.NUM_BINS], axis=-1) == 0
+        below_cap = table.log2_scales < ops.minimum(table.log2_ceilings, log2_max)
+        self.rising = self.measured & ops.any(_keep_loss_unit(empty & below_cap, False))
 
     def divisors(self):
         """`{position: scale}` of every weight this table governs."""
@@ -172,7 +179,7 @@ class TableStep:
         def assign():
             self.table.log2_scales.assign(self.measured_scales(grads))
 
-        ops.cond(self.table.measure > 0, assign, lambda: None)
+        ops.cond(self.measured, assign, lambda: None)
 
     def back_off(self, grads, allowed):
         """On a skipped step: halve the units where the overflow started.
@@ -186,9 +193,7 @@ class TableStep:
         """
         current = ops.convert_to_tensor(self.table.log2_scales)
         measured = ops.cond(
-            self.table.measure > 0,
-            lambda: self.measured_scales(grads),
-            lambda: current,
+            self.measured, lambda: self.measured_scales(grads), lambda: current
         )
         weight_non_finite = per_unit_max(
             ops.stack(
@@ -212,8 +217,16 @@ class TableStep:
         ceilings = self.table.log2_ceilings
         ceilings.assign(ops.where(grow, ceilings + 1.0, ceilings))
 
-    def record(self, measure_next):
+    def record(self, scheduled, scheduled_next):
         """Keeps this step's statistics (skipped steps too: they show where
-        the overflow was) and tells the boundaries whether to measure next."""
+        the overflow was) and tells the boundaries whether to measure next.
+
+        Args:
+            scheduled: bool, the optimizer meant this step to measure.
+            scheduled_next: bool, it means the next step to.
+        """
         self.table.statistics.assign(self.statistics)
+        # A table the optimizer has not driven before may not have measured.
+        missed = scheduled & ~self.measured
+        measure_next = scheduled_next | missed | self.rising
         self.table.measure.assign(ops.cast(measure_next, "float32"))

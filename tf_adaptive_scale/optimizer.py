@@ -393,6 +393,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             if not self._overwrite_variable_with_gradient(v)
         ]
         scale = ops.convert_to_tensor(self.dynamic_scale)
+        scheduled = ops.equal(self.steps_since_update, 0)
         finite = self.check_finite(grads)
         steps = [
             self._table_step(table, statistics, variables, regular)
@@ -414,9 +415,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         def on_finite():
             regular_grads = [unscaled[i] for i in regular]
             ops.cond(
-                ops.equal(self.steps_since_update, 0),
-                lambda: self._measure(regular_grads, scale),
-                lambda: None,
+                scheduled, lambda: self._measure(regular_grads, scale), lambda: None
             )
             for step in steps:
                 step.update(unscaled)
@@ -437,7 +436,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.total_steps.assign_add(1)
         self.last_step_finite.assign(finite)
         for step in steps:
-            step.record(ops.equal(self.steps_since_update, 0))
+            step.record(scheduled, ops.equal(self.steps_since_update, 0))
 
     def _table_step(self, table, statistics, variables, regular):
         members = [
@@ -445,17 +444,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             for i in regular
             if getattr(variables[i], "gradient_scale_table", None) is table
         ]
+        log2_min, log2_max = math.log2(self.min_scale), math.log2(self.max_scale)
         rule = functools.partial(
             layer_scaling.layer_log2_scales,
             underflow_rate=self.underflow_rate,
             log2_headroom=math.log2(self.headroom),
-            log2_min=math.log2(self.min_scale),
-            log2_max=math.log2(self.max_scale),
+            log2_min=log2_min,
+            log2_max=log2_max,
             weigh=self._criterion_weights,
             max_rise=self.max_scale_rise,
         )
         return layer_scaling.TableStep(
-            table, statistics, members, rule, math.log2(self.min_scale)
+            table, statistics, members, rule, log2_min, log2_max
         )
 
     def _measure(self, unscaled, scale):
