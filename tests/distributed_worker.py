@@ -442,6 +442,8 @@ def per_layer_fixed_scales_fp32():
     log2[0] = 0.0
     table.log2_scales.assign(log2)
     table.measure.assign(0.0)
+    # Not scheduled to measure (a fresh optimizer would measure at once).
+    opt.steps_since_update.assign(1)
     history = instrumented.fit(x, y, **fit_kwargs)
 
     keras.utils.set_random_seed(0)
