@@ -79,7 +79,6 @@ def test_overflow_is_attributed_to_the_unit_where_it_started():
     table = inst.scale_table
     log2 = np.array([0, 2, 40, 2], "float32")  # converting into "mid" overflows float16
     table.log2_scales.assign(log2)
-    table.measure.assign(0.0)
     opt = per_layer_optimizer(keras.optimizers.SGD(0.1), update_every=10**6, max_scale=2.0**60)
     inst.compile(opt, "mse", jit_compile=True)
     before = [w.copy() for w in model.get_weights()]
@@ -89,8 +88,38 @@ def test_overflow_is_attributed_to_the_unit_where_it_started():
         np.testing.assert_array_equal(a, b)
     stats = table.statistics.numpy()
     assert stats[unit_of(inst, "mid"), gs.CONVERSION_OVERFLOW] == 1
-    np.testing.assert_array_equal(table.log2_scales.numpy(), [0, 2, 39, 2])  # only "mid"
-    assert table.log2_ceilings.numpy()[unit_of(inst, "mid")] == 39
+    low, mid, top = (unit_of(inst, n) for n in ("low", "mid", "top"))
+    scales = table.log2_scales.numpy()
+    # Bounded by the rule measured on this very step, then halved, and capped.
+    assert scales[mid] < 39 and table.log2_ceilings.numpy()[mid] == scales[mid]
+    assert scales[low] == 2  # received the overflow: kept
+    assert np.isinf(table.log2_ceilings.numpy()[[low, top]]).all()  # nobody else capped
+    assert float(table.measure.numpy()) == 1.0  # and the next step measures again
+
+
+def test_overflow_on_a_step_that_does_not_measure_is_diagnosed_next_step():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, name="low"), keras.layers.Dense(8, name="mid"),
+         keras.layers.Dense(2, name="top")]
+    )
+    inst = tas.instrument(model)
+    table = inst.scale_table
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.1), update_every=10**6, max_scale=2.0**60)
+    inst.compile(opt, "mse", jit_compile=True)
+    x, y = np.ones((4, 8), "float32"), np.ones((4, 2), "float32")
+    inst.train_on_batch(x, y)  # the first, measured step
+    log2 = np.array([0, 2, 40, 2], "float32")
+    table.log2_scales.assign(log2)
+    assert float(table.measure.numpy()) == 0.0
+    inst.train_on_batch(x, y)  # overflows without statistics: nothing to blame yet
+    assert int(opt.skipped_steps) == 1
+    np.testing.assert_array_equal(table.log2_scales.numpy(), log2)
+    assert float(table.measure.numpy()) == 1.0
+    inst.train_on_batch(x, y)  # measured: the repeat is attributed to "mid"
+    assert int(opt.skipped_steps) == 2
+    ceilings = table.log2_ceilings.numpy()
+    assert ceilings[unit_of(inst, "mid")] < 39 and np.isinf(np.delete(ceilings, unit_of(inst, "mid"))).all()
 
 
 def test_overflow_inside_a_layer_backward_blames_that_layer():
@@ -106,14 +135,15 @@ def test_overflow_inside_a_layer_backward_blames_that_layer():
     inst = tas.instrument(model)
     table = inst.scale_table
     table.log2_scales.assign(np.array([0, 0, 8, 0], "float32"))  # "big"'s dx = dy W overflows
-    table.measure.assign(0.0)
     opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=10**6)
     inst.compile(opt, "mse", jit_compile=True)
     inst.train_on_batch(np.ones((4, 64), "float32"), np.full((4, 1), 1e-2, "float32"))
     stats = table.statistics.numpy()
     assert stats[unit_of(inst, "big"), gs.PRODUCED_NON_FINITE] == 1
     assert stats[unit_of(inst, "low"), gs.RECEIVED_NON_FINITE] == 1
-    np.testing.assert_array_equal(table.log2_scales.numpy(), [0, 0, 7, 0])
+    ceilings = table.log2_ceilings.numpy()
+    assert ceilings[unit_of(inst, "big")] <= 7 and np.isinf(np.delete(ceilings, unit_of(inst, "big"))).all()
+    assert table.log2_scales.numpy()[unit_of(inst, "low")] == 0  # received it: kept
 
 
 @pytest.mark.parametrize("jit", [True, False])

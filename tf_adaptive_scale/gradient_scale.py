@@ -13,12 +13,14 @@ boundary: `control` (log2 scales, then a measure flag) and `statistics`. The
 latter is a trainable variable read through the identity: whatever the
 boundaries return as *its* gradient is the per-unit statistics of this very
 backward pass (the Keras float8 pattern), which the optimizer reads and writes
-back. So the statistics cost no extra pass and work under XLA.
+back. So the statistics cost no extra pass and work under XLA. They are taken
+only on measured steps (the `measure` flag); other steps pay one fused
+multiply per edge.
 
-Statistics columns, per unit (row):
+Statistics columns, per unit (row), all zero on steps that do not measure:
 - `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
   unit's scale: its output gradients and the input gradients its backward
-  produced (update steps only);
+  produced;
 - `OUTPUT_MAX`: sum over its output edges of max |unscaled gradient|;
 - `INPUT_MAX`: sum over its input edges of the max |unscaled gradient| its
   backward produced (so overflow of its input gradients is seen too);
@@ -202,31 +204,36 @@ def _boundary(x, control, statistics, producer, consumer, output_dtype):
 
 
 def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
-    """Gradient conversion and this edge's contribution to the statistics."""
-    log2_in = control[consumer]
-    log2_out = control[producer]
-    dy32 = ops.cast(dy, "float32")
-    dx32 = dy32 * stats.pow2(log2_out - log2_in)
-    dx = ops.cast(dx32, input_dtype)
+    """The converted gradient, and this edge's statistics on measured steps.
 
-    dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
-    finite = ops.isfinite(dy32)
+    Steps that do not measure pay one fused multiply: no reduction at all.
+    """
+    factor = stats.pow2(control[producer] - control[consumer])
+    dx = ops.cast(ops.cast(dy, "float32") * factor, input_dtype)
+    rows = ops.cond(
+        control[-1] > 0,
+        lambda: _statistics(dy, control, statistics_shape[0], producer, consumer, input_dtype),
+        lambda: ops.zeros(statistics_shape, "float32"),
+    )
+    return dx, ops.zeros_like(control), rows
+
+
+def _statistics(dy, control, units, producer, consumer, input_dtype):
+    """This edge's `(units, NUM_COLUMNS)` contribution to the statistics."""
+    log2_in = control[consumer]
+    dy32 = ops.cast(dy, "float32")
     # One fused reduction: the max of |dy| with non-finite values as inf.
-    peak = ops.max(ops.where(finite, ops.abs(dy32), np.inf))
+    peak = ops.max(ops.where(ops.isfinite(dy32), ops.abs(dy32), np.inf))
     produced_bad = ops.logical_not(ops.isfinite(peak))
-    converted_bad = peak * stats.pow2(log2_out - log2_in) > dtype_max
-    unscaled_peak = ops.where(produced_bad, 0.0, peak * stats.pow2(-log2_in))
-    no_histogram = ops.zeros((stats.NUM_BINS,), "float32")
-    if keras.backend.standardize_dtype(input_dtype) != "float16":
+    dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
+    converted_bad = peak * stats.pow2(control[producer] - log2_in) > dtype_max
+    if keras.backend.standardize_dtype(input_dtype) == "float16":
+        unscaled_peak = ops.where(produced_bad, 0.0, peak * stats.pow2(-log2_in))
+        histogram = stats.exponent_histogram([dy32 * stats.pow2(-log2_in)])[0]
+    else:
         # Only float16 tensors have a range to fit the scale to.
         unscaled_peak = ops.zeros((), "float32")
-        histogram = no_histogram
-    else:
-        histogram = ops.cond(
-            control[-1] > 0,
-            lambda: stats.exponent_histogram([dy32 * stats.pow2(-log2_in)])[0],
-            lambda: no_histogram,
-        )
+        histogram = ops.zeros((stats.NUM_BINS,), "float32")
     producer_row = ops.concatenate(
         [
             histogram,
@@ -249,7 +256,5 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
             ),
         ]
     )
-    units = statistics_shape[0]
     rows = ops.one_hot(producer, units)[:, None] * producer_row[None, :]
-    rows = rows + ops.one_hot(consumer, units)[:, None] * consumer_row[None, :]
-    return dx, ops.zeros_like(control), rows
+    return rows + ops.one_hot(consumer, units)[:, None] * consumer_row[None, :]

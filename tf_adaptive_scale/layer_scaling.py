@@ -184,17 +184,23 @@ class TableStep:
     def back_off(self, grads, allowed):
         """On a skipped step: halve the units where the overflow started.
 
-        Units it did not touch take the rule's scale if this step measured;
-        the origins are first bounded by the rule, then halved.
+        Only a measured step knows where that was: its origins are bounded by
+        the rule, then halved, and the units the overflow did not touch take
+        the rule's scale. A step that did not measure changes no scale; the
+        optimizer measures the next step, which finds the origin if the
+        overflow repeats.
 
         Args:
             grads: The step's unscaled gradients, by position.
             allowed: bool scalar, False while hysteresis holds the back-off.
         """
-        current = ops.convert_to_tensor(self.table.log2_scales)
-        measured = ops.cond(
-            self.measured, lambda: self.measured_scales(grads), lambda: current
+        ops.cond(
+            self.measured, lambda: self._back_off(grads, allowed), lambda: None
         )
+
+    def _back_off(self, grads, allowed):
+        current = ops.convert_to_tensor(self.table.log2_scales)
+        measured = self.measured_scales(grads)
         weight_non_finite = per_unit_max(
             ops.stack(
                 [ops.cast(~ops.all(ops.isfinite(grads[p])), "float32") for p in self.positions]
