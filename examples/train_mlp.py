@@ -4,7 +4,10 @@ Prints, per epoch, the loss, the current loss scale, the skipped steps, the
 last measured scale window and how often clipping acted. Data is generated in
 code (no downloads).
 
-Run: python examples/train_mlp.py [--epochs 5] [--no-jit]
+With --per-layer, the model is instrumented (`tas.instrument`) and every layer
+gets its own scale inside the backward pass; the per-layer scales are printed.
+
+Run: python examples/train_mlp.py [--epochs 5] [--no-jit] [--per-layer]
 """
 
 import argparse
@@ -39,12 +42,19 @@ class PrintScale(keras.callbacks.Callback):
             f"window [2**{low:.0f}, 2**{high:.0f}] "
             f"clipped {int(opt.clipped_steps)}"
         )
+        if opt.mode == "per_layer":
+            scales = ", ".join(
+                f"{name} 2**{np.log2(scale):.0f}"
+                for name, scale in opt.layer_scales().items()
+            )
+            print(f"  layer scales: {scales}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--no-jit", action="store_true")
+    parser.add_argument("--per-layer", action="store_true")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -59,8 +69,13 @@ def main():
             keras.layers.Activation("softmax", dtype="float32"),
         ]
     )
+    if args.per_layer:
+        model = tas.instrument(model)
     optimizer = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.Adam(1e-3), update_every=20, global_clipnorm=5.0
+        keras.optimizers.Adam(1e-3),
+        scaling="per_layer" if args.per_layer else "adaptive",
+        update_every=20,
+        global_clipnorm=5.0,
     )
     model.compile(
         optimizer=optimizer,

@@ -220,17 +220,13 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
 
 def _statistics(dy, control, units, producer, consumer, input_dtype):
     """This edge's `(units, NUM_COLUMNS)` contribution to the statistics."""
-    log2_in = control[consumer]
-    dy32 = ops.cast(dy, "float32")
-    # One fused reduction: the max of |dy| with non-finite values as inf.
-    peak = ops.max(ops.where(ops.isfinite(dy32), ops.abs(dy32), np.inf))
-    produced_bad = ops.logical_not(ops.isfinite(peak))
+    # One pass over dy, in its own dtype where it can: hoisting a float32
+    # copy of dy out of the branch would cost every step.
+    histogram, unscaled_peak = stats.exponent_histogram([dy], control[consumer])
+    produced_bad = ~ops.all(ops.isfinite(dy))
     dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
-    converted_bad = peak * stats.pow2(control[producer] - log2_in) > dtype_max
-    if keras.backend.standardize_dtype(input_dtype) == "float16":
-        unscaled_peak = ops.where(produced_bad, 0.0, peak * stats.pow2(-log2_in))
-        histogram = stats.exponent_histogram([dy32 * stats.pow2(-log2_in)])[0]
-    else:
+    converted_bad = unscaled_peak * stats.pow2(control[producer]) > dtype_max
+    if keras.backend.standardize_dtype(input_dtype) != "float16":
         # Only float16 tensors have a range to fit the scale to.
         unscaled_peak = ops.zeros((), "float32")
         histogram = ops.zeros((stats.NUM_BINS,), "float32")

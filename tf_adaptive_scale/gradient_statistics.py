@@ -38,16 +38,20 @@ def pow2(exponent):
     Returns:
         float32 tensor of the same shape.
     """
+    exponent = ops.convert_to_tensor(exponent, "float32")
     # Rounded: exponents from ops.log2 can be an ulp off an integer.
     biased = ops.cast(ops.round(ops.clip(exponent, -126, 127)), "int32") + 127
     return ops.view(biased * (1 << 23), "float32")
 
 
-def exponent_histogram(tensors):
+def exponent_histogram(tensors, log2_scale=0.0):
     """Counts the nonzero finite values of `tensors` by binary exponent.
 
     Args:
         tensors: A list of tensors (any shape, any float dtype).
+        log2_scale: The tensors hold values multiplied by `2**log2_scale`
+            (an integer-valued scalar); the histogram and max are of the
+            values divided back, without a pass to divide them.
 
     Returns:
         A tuple `(histogram, max_abs)`: a float32 vector of `NUM_BINS` counts,
@@ -62,12 +66,12 @@ def exponent_histogram(tensors):
     histogram = ops.zeros((NUM_BINS,), "float32")
     max_abs = ops.zeros((), "float32")
     for tensor in tensors:
-        magnitude = ops.abs(ops.cast(ops.reshape(tensor, (-1,)), "float32"))
+        magnitude = ops.cast(ops.abs(ops.reshape(tensor, (-1,))), "float32")
         counted = ops.logical_and(
             ops.isfinite(magnitude), ops.greater(magnitude, 0.0)
         )
         safe = ops.where(counted, magnitude, 1.0)
-        exponent = ops.floor(ops.log2(safe)) - EXPONENT_MIN
+        exponent = ops.floor(ops.log2(safe)) - log2_scale - EXPONENT_MIN
         bins = ops.cast(ops.clip(exponent, 0, NUM_BINS - 1), "int32")
         histogram = histogram + ops.segment_sum(
             ops.cast(counted, "float32"), bins, num_segments=NUM_BINS
@@ -75,7 +79,7 @@ def exponent_histogram(tensors):
         max_abs = ops.maximum(
             max_abs, ops.max(ops.where(counted, magnitude, 0.0))
         )
-    return histogram, max_abs
+    return histogram, max_abs * pow2(-log2_scale)
 
 
 def mass_histogram(histogram):
