@@ -1016,6 +1016,9 @@ def parse_args(argv=None):
     parser.add_argument("--cost-steps", type=int, default=None,
                         help="steps per block (default 50; 20 quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow threads (0: default); 1 steadies "
+                        "the cost ratios on a shared machine")
     parser.add_argument("--json", metavar="PATH", help="write all numbers")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -1043,6 +1046,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    step_time.set_threads(args.threads)
     keras.mixed_precision.set_global_policy("float32")
     began = time.perf_counter()
     results = []

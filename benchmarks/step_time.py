@@ -133,6 +133,11 @@ def parse_args(argv=None):
         + f" ('{BASELINE}' is always included)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="TensorFlow intra/inter-op threads (0: TF's default); 1 gives "
+        "far steadier ratios on a shared machine",
+    )
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     args = parser.parse_args(argv)
     if args.repeats is None:
@@ -203,8 +208,16 @@ def quartiles(values):
     return float(q25), float(q50), float(q75)
 
 
+def set_threads(threads):
+    """Pins TensorFlow's thread pools (before it starts) when `threads` > 0."""
+    if threads > 0:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    set_threads(args.threads)
     keras.mixed_precision.set_global_policy("mixed_float16")
     dataset = make_dataset(args.steps, args.seed)
     reference_weights = build_model(args.seed).get_weights()
