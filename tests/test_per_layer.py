@@ -312,3 +312,34 @@ def test_fresh_optimizer_on_a_trained_instrumented_model_measures():
     assert float(table.measure.numpy()) == 1.0  # the missed measurement is made up
     inst.train_on_batch(x, y)
     assert any(v != 1.0 for v in inst.layer_scales().values())
+
+
+def test_legacy_unscale_call_is_refused_in_per_layer_mode():
+    opt = per_layer_optimizer()
+    with pytest.raises(ValueError, match="pass the gradients to apply"):
+        opt.get_unscaled_gradients([tf.ones((2,))])
+
+
+def test_weight_gradient_sum_overflow_steps_down_far_enough_at_once():
+    """A per-pixel sum loss: the kernel gradient sums 4096 rows of 100s."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")])
+    inst = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=100)
+    variables = inst.trainable_variables
+    opt.build(variables)
+    x = np.full((4096, 1), 100.0, "float32")  # d loss / d kernel = 409600 > 65504
+    finite = []
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(inst(x))
+        opt.apply(tape.gradient(loss, variables), variables)
+        finite.append(bool(opt.last_step_finite.numpy()))
+    assert finite == [False, True, True]  # one skip, not one per binade
+    table = inst.scale_table
+    # Step 1: the rule, bounded by the finite bias gradient (4096: at most
+    # 2**-1 with 2**4 headroom), caps the unit one binade below (2**-2) and
+    # steps four down (2**-5: 409600 * 2**-5 fits); step 2 measures the
+    # kernel gradient itself and settles at 2**-7 (2**4 headroom).
+    assert table.log2_ceilings.numpy()[1] == -2
+    assert table.log2_scales.numpy()[1] == -7

@@ -9,6 +9,8 @@ from tf_adaptive_scale import gradient_statistics as stats
 
 # Binades a unit's scale rises when it saw no nonzero gradient at all.
 UNSEEN_STEP = 8.0
+# Binades a unit's scale falls when its own weight gradient overflowed.
+WEIGHT_OVERFLOW_STEP = 4.0
 
 
 def per_unit_max(values, units, num_units):
@@ -208,14 +210,25 @@ class TableStep:
             self.units,
             len(self.table.unit_names),
         ) > 0
-        involved = weight_non_finite | ops.any(self.flags > 0, axis=-1)
+        flagged = ops.any(self.flags > 0, axis=-1)
+        involved = weight_non_finite | flagged
         back_off = overflow_origins(self.statistics, weight_non_finite) & allowed
-        lowered = ops.maximum(ops.minimum(measured, current) - 1.0, self.log2_min)
+        bounded = ops.minimum(measured, current)
+        capped = ops.maximum(bounded - 1.0, self.log2_min)
+        # Where only a weight gradient sum overflowed, the rule saw finite
+        # activation gradients but not that sum: step further down, so that
+        # the next step fits, but cap one binade down only, for the rule to
+        # climb back.
+        lowered = ops.where(
+            weight_non_finite & ~flagged,
+            ops.maximum(bounded - WEIGHT_OVERFLOW_STEP, self.log2_min),
+            capped,
+        )
         self.table.log2_scales.assign(
             ops.where(back_off, lowered, ops.where(involved, current, measured))
         )
         self.table.log2_ceilings.assign(
-            ops.where(back_off, lowered, self.table.log2_ceilings)
+            ops.where(back_off, capped, self.table.log2_ceilings)
         )
 
     def raise_ceilings(self, grow):

@@ -318,6 +318,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Returns:
             The list of unscaled gradients.
         """
+        if self.mode == "per_layer":
+            raise ValueError(
+                "get_unscaled_gradients() knows no per-layer scales: with "
+                "scaling='per_layer', pass the gradients to apply() as they are."
+            )
         self._gradients_unscaled = True
         return [None if g is None else g / self._scale_for(g) for g in grads]
 
