@@ -16,6 +16,7 @@ instance 100", tensorflow#62790). Run the global-scale and the per-layer
 scenarios in separate processes, as tests/test_distribution.py does.
 """
 
+import functools
 import json
 import os
 import sys
@@ -106,25 +107,35 @@ def _overflow(make_optimizer, extra_clean_step):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def _replica_one_overflow_batches(seed):
+    """A global batch whose second half (replica 1's shard) overflows float16,
+    its targets, and a clean batch."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, FEATURES)).astype("float32")
+    y = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, 1)).astype("float32")
+    x[PER_REPLICA:] = 1e4
+    clean_x = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, FEATURES)).astype("float32")
+    return x, y, clean_x
+
+
+def _shard(strategy, array):
+    """Replica i gets rows [i * PER_REPLICA, (i + 1) * PER_REPLICA)."""
+
+    def value_fn(ctx):
+        i = ctx.replica_id_in_sync_group
+        return tf.constant(array[i * PER_REPLICA : (i + 1) * PER_REPLICA])
+
+    return strategy.experimental_distribute_values_from_function(value_fn)
+
+
 def _overflow_step(make_optimizer, extra_clean_step):
     strategy = tf.distribute.MirroredStrategy(CPUS)
     assert strategy.num_replicas_in_sync == 2
     global_batch = 2 * PER_REPLICA
     weights0 = initial_weights()
 
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
-    y = rng.uniform(-1.0, 1.0, (global_batch, 1)).astype("float32")
-    x[PER_REPLICA:] = 1e4  # second half only: replica 1's shard
-    clean_x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
-
-    def shard(array):
-        # Replica i gets rows [i * PER_REPLICA, (i + 1) * PER_REPLICA).
-        def value_fn(ctx):
-            i = ctx.replica_id_in_sync_group
-            return tf.constant(array[i * PER_REPLICA : (i + 1) * PER_REPLICA])
-
-        return strategy.experimental_distribute_values_from_function(value_fn)
+    x, y, clean_x = _replica_one_overflow_batches(seed=0)
+    shard = functools.partial(_shard, strategy)
 
     def replica_id_fn(ctx):
         return tf.constant(ctx.replica_id_in_sync_group, "int32")
@@ -505,18 +516,8 @@ def _per_layer_overflow():
     global_batch = 2 * PER_REPLICA
     weights0 = graph_initial_weights(5)
 
-    rng = np.random.default_rng(5)
-    x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
-    y = rng.uniform(-1.0, 1.0, (global_batch, 1)).astype("float32")
-    x[PER_REPLICA:] = 1e4  # second half only: replica 1's shard
-    clean_x = rng.uniform(-1.0, 1.0, (global_batch, FEATURES)).astype("float32")
-
-    def shard(array):
-        def value_fn(ctx):
-            i = ctx.replica_id_in_sync_group
-            return tf.constant(array[i * PER_REPLICA : (i + 1) * PER_REPLICA])
-
-        return strategy.experimental_distribute_values_from_function(value_fn)
+    x, y, clean_x = _replica_one_overflow_batches(seed=5)
+    shard = functools.partial(_shard, strategy)
 
     dist_x, dist_y, dist_clean_x = shard(x), shard(y), shard(clean_x)
 

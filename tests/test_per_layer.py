@@ -69,13 +69,17 @@ def unit_of(inst, name):
     return inst.scale_table.unit_names.index(name)
 
 
-def test_overflow_is_attributed_to_the_unit_where_it_started():
+def low_mid_top():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(8, name="low"), keras.layers.Dense(8, name="mid"),
          keras.layers.Dense(2, name="top")]
     )
-    inst = tas.instrument(model)
+    return model, tas.instrument(model)
+
+
+def test_overflow_is_attributed_to_the_unit_where_it_started():
+    model, inst = low_mid_top()
     table = inst.scale_table
     log2 = np.array([0, 2, 40, 2], "float32")  # converting into "mid" overflows float16
     table.log2_scales.assign(log2)
@@ -98,12 +102,7 @@ def test_overflow_is_attributed_to_the_unit_where_it_started():
 
 
 def test_overflow_on_a_step_that_does_not_measure_is_diagnosed_next_step():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(8, name="low"), keras.layers.Dense(8, name="mid"),
-         keras.layers.Dense(2, name="top")]
-    )
-    inst = tas.instrument(model)
+    model, inst = low_mid_top()
     table = inst.scale_table
     opt = per_layer_optimizer(keras.optimizers.SGD(0.1), update_every=10**6, max_scale=2.0**60)
     inst.compile(opt, "mse", jit_compile=True)
