@@ -116,7 +116,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -1086,15 +1085,7 @@ def main(argv=None):
         payload = {
             "benchmark": "per_layer",
             "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "environment": {
-                "python": platform.python_version(),
-                "tensorflow": tf.__version__,
-                "keras": keras.__version__,
-                "numpy": np.__version__,
-                "tf_adaptive_scale": tas.__version__,
-                "platform": platform.platform(),
-                "cpu_count": os.cpu_count(),
-            },
+            "environment": step_time.environment(),
             "definitions": {
                 "error": "||g - g_ref|| / ||g_ref|| per kernel, g_ref from the "
                 "float32 twin at the same weights",

@@ -208,6 +208,19 @@ def quartiles(values):
     return float(q25), float(q50), float(q75)
 
 
+def environment():
+    """Versions and machine facts recorded with every JSON result."""
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "tf_adaptive_scale": tas.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
 def set_threads(threads):
     """Pins TensorFlow's thread pools (before it starts) when `threads` > 0."""
     if threads > 0:
@@ -357,15 +370,7 @@ def main(argv=None):
                 "statistic": "median over rounds of per-round ratio "
                 "variant/baseline seconds per step",
             },
-            "environment": {
-                "python": platform.python_version(),
-                "tensorflow": tf.__version__,
-                "keras": keras.__version__,
-                "numpy": np.__version__,
-                "tf_adaptive_scale": tas.__version__,
-                "platform": platform.platform(),
-                "cpu_count": os.cpu_count(),
-            },
+            "environment": environment(),
             "results": results,
             "round_orders": orders,
             "retraces_during_timing": retraced,
