@@ -324,10 +324,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "scaling='per_layer', pass the gradients to apply() as they are."
             )
         self._gradients_unscaled = True
-        return [None if g is None else g / self._scale_for(g) for g in grads]
-
-    def _scale_for(self, g):
-        return ops.cast(self.dynamic_scale, g.dtype)
+        return [
+            None if g is None else g / ops.cast(self.dynamic_scale, g.dtype)
+            for g in grads
+        ]
 
     def apply(self, grads, trainable_variables=None):
         """Checks, unscales, clips and applies `grads`, or skips the step.
