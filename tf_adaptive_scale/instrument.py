@@ -15,8 +15,11 @@ def instrument(model, initial_scale=1.0):
     the producer's scales, so gradients meeting at a fork are summed at one
     scale. Nested Sequential/Functional models are inlined (their layers become
     units). Model outputs are cast to float32 by their boundaries, so the loss
-    gradient is scaled before any float16 rounding. The original model is left
-    as it is; both share the same weight variables.
+    gradient is scaled before any float16 rounding; gradients enter at the
+    outputs and leave at the inputs at scale 1, so an instrumented model can
+    be used as a block inside any model (a subclassed one included), with its
+    own scales. The original model is left as it is; both share the same
+    weight variables.
 
     Train the result with `AdaptiveLossScaleOptimizer(..., scaling="per_layer")`.
 

@@ -1,6 +1,7 @@
 """The per-layer update rule and overflow attribution, on a `ScaleTable`'s
-statistics (see `gradient_scale`). Pure functions of tensors; the optimizer
-keeps the state."""
+statistics (see `gradient_scale`): pure functions of tensors, and
+`TableStep`, which applies them to one table's variables during an
+optimizer step."""
 
 from keras import ops
 
@@ -162,15 +163,8 @@ class TableStep:
         Args:
             grads: The step's unscaled gradients, by position.
         """
-        weight_max = per_unit_max(
-            ops.stack(
-                [
-                    ops.max(ops.where(ops.isfinite(grads[p]), ops.abs(grads[p]), 0.0))
-                    for p in self.positions
-                ]
-            ),
-            self.units,
-            len(self.table.unit_names),
+        weight_max = self._per_unit_max(
+            lambda g: ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)), grads
         )
         return self.rule(
             self.statistics, weight_max, self.table.log2_scales, self.table.log2_ceilings
@@ -203,12 +197,8 @@ class TableStep:
     def _back_off(self, grads, allowed):
         current = ops.convert_to_tensor(self.table.log2_scales)
         measured = self.measured_scales(grads)
-        weight_non_finite = per_unit_max(
-            ops.stack(
-                [ops.cast(~ops.all(ops.isfinite(grads[p])), "float32") for p in self.positions]
-            ),
-            self.units,
-            len(self.table.unit_names),
+        weight_non_finite = self._per_unit_max(
+            lambda g: ops.cast(~ops.all(ops.isfinite(g)), "float32"), grads
         ) > 0
         flagged = ops.any(self.flags > 0, axis=-1)
         involved = weight_non_finite | flagged
@@ -230,6 +220,11 @@ class TableStep:
         self.table.log2_ceilings.assign(
             ops.where(back_off, capped, self.table.log2_ceilings)
         )
+
+    def _per_unit_max(self, reduce, grads):
+        """`reduce` (a scalar per weight gradient), maxed within each unit."""
+        values = ops.stack([reduce(grads[p]) for p in self.positions])
+        return per_unit_max(values, self.units, len(self.table.unit_names))
 
     def raise_ceilings(self, grow):
         """Caps lowered by overflows rise one binade when `grow` is true."""
