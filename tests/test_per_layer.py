@@ -183,6 +183,71 @@ def test_custom_loop_traced_once_with_xla():
     assert int(opt.total_steps) == 6 and int(opt.skipped_steps) == 0
 
 
+def boundaries(inst):
+    return sum(isinstance(layer, tas.GradientScale) for layer in inst.layers)
+
+
+def test_steps_that_do_not_measure_carry_no_statistics_code():
+    """The branch that does not measure holds no per-edge conditional."""
+    model, x, y = build("residual", "mixed_float16")
+    inst = tas.instrument(model)
+    variables = inst.trainable_variables
+
+    def forward_backward():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(inst(x, training=True) - y))
+        return tape.gradient(loss, variables)
+
+    graph = tf.function(lambda: tas.branch_on_measure(inst, forward_backward))
+    graph = graph.get_concrete_function().graph.as_graph_def()
+    conditionals = {"If", "StatelessIf"}
+    (outer,) = [n for n in graph.node if n.op in conditionals]
+    inner = {
+        f.signature.name: sum(n.op in conditionals for n in f.node_def)
+        for f in graph.library.function
+    }
+    assert inner[outer.attr["then_branch"].func.name] == boundaries(inst)
+    assert inner[outer.attr["else_branch"].func.name] == 0
+
+
+def test_fit_branches_once_and_matches_a_loop_with_one_conditional_per_edge(monkeypatch):
+    model, x, y = build("shared_and_concat", "mixed_float16")
+    weights = model.get_weights()
+    traced = []  # statistics code per traced boundary, in fit's train step
+    convert = gs._convert
+    monkeypatch.setattr(gs, "_convert", lambda *a: traced.append(
+        not getattr(gs._trace_state, "statistics_off", False)) or convert(*a))
+    fitted = tas.instrument(model)
+    fitted.compile(per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2),
+                   "mse", jit_compile=True)
+    logs = [fitted.train_on_batch(x, y, return_dict=True)["loss"] for _ in range(5)]
+    # Each trace (Keras traces twice when the optimizer builds lazily) has
+    # every boundary once per branch: with statistics code, and without.
+    assert traced.count(True) == traced.count(False) > 0
+    assert traced.count(True) % boundaries(fitted) == 0
+
+    model.set_weights(weights)
+    looped = tas.instrument(model)
+    opt = per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2)
+    variables = looped.trainable_variables
+    opt.build(variables)
+
+    @tf.function(jit_compile=True)
+    def step(xb, yb):  # no branch: every boundary has its own conditional
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(looped(xb, training=True) - yb))
+        opt.apply(tape.gradient(loss, variables), variables)
+        return loss
+
+    losses = [float(step(x, y)) for _ in range(5)]
+    np.testing.assert_allclose(logs, losses, rtol=1e-6)
+    assert fitted.layer_scales() == looped.layer_scales()
+    np.testing.assert_array_equal(fitted.scale_table.statistics.numpy(),
+                                  looped.scale_table.statistics.numpy())
+    for a, b in zip(fitted.get_weights(), looped.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def trained(steps=4):
     model, x, y = build("residual", "mixed_float16")
     inst = tas.instrument(model)

@@ -4,6 +4,7 @@ from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
+from tf_adaptive_scale.gradient_scale import branch_on_measure
 from tf_adaptive_scale.instrument import InstrumentedModel
 from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
@@ -15,6 +16,7 @@ __all__ = [
     "GradientScale",
     "InstrumentedModel",
     "ScaleTable",
+    "branch_on_measure",
     "instrument",
     "clipping",
     "gradient_statistics",

@@ -14,8 +14,10 @@ latter is a trainable variable read through the identity: whatever the
 boundaries return as *its* gradient is the per-unit statistics of this very
 backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA. They are taken
-only on measured steps (the `measure` flag); other steps pay one fused
-multiply per edge.
+only on measured steps (the `measure` flag). `branch_on_measure` runs a whole
+forward and backward pass in one conditional on that flag, so that other steps
+pay one fused multiply per edge; outside it each edge has its own conditional
+(correct anywhere, a few per cent slower).
 
 Statistics columns, per unit (row), all zero on steps that do not measure:
 - `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
@@ -29,7 +31,9 @@ Statistics columns, per unit (row), all zero on steps that do not measure:
 - `RECEIVED_NON_FINITE`: its output gradient was non-finite.
 """
 
+import contextlib
 import math
+import threading
 
 import keras
 import numpy as np
@@ -46,6 +50,62 @@ NUM_COLUMNS = RECEIVED_NON_FINITE + 1
 
 # Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
 LOSS_UNIT = 0
+
+# Set while tracing the branch of `branch_on_measure` that does not measure.
+# Thread-local: MirroredStrategy traces each replica in its own thread.
+_trace_state = threading.local()
+
+
+def branch_on_measure(model, fn):
+    """Runs `fn()` in one conditional on whether this step takes statistics.
+
+    Boundaries traced in the branch that does not measure carry no statistics
+    code at all, instead of one conditional per edge (which XLA does not make
+    free). Put the forward pass, the loss and `tape.gradient` in `fn`; keep
+    the optimizer's `apply` outside, after it.
+
+    Args:
+        model: The model whose instrumented blocks `fn` runs (an
+            `InstrumentedModel`, or any model containing some).
+        fn: A function of no arguments that computes the gradients; it is
+            traced twice, once per branch.
+
+    Returns:
+        What `fn` returns (the same structure from both branches).
+
+    Example:
+
+    >>> def forward_backward():
+    ...     with tf.GradientTape() as tape:
+    ...         loss = optimizer.scale_loss(loss_fn(y, model(x, training=True)))
+    ...     return tape.gradient(loss, model.trainable_variables)
+    >>> grads = tas.branch_on_measure(model, forward_backward)
+    >>> optimizer.apply(grads, model.trainable_variables)
+    """
+    tables = {
+        id(v.scale_table): v.scale_table
+        for v in model.trainable_variables
+        if hasattr(v, "scale_table")
+    }
+    if not tables:
+        return fn()
+    measure = ops.any(ops.stack([t.measure > 0 for t in tables.values()]))
+
+    def without_statistics():
+        with _statistics_off():
+            return fn()
+
+    return ops.cond(measure, fn, without_statistics)
+
+
+@contextlib.contextmanager
+def _statistics_off():
+    previous = getattr(_trace_state, "statistics_off", False)
+    _trace_state.statistics_off = True
+    try:
+        yield
+    finally:
+        _trace_state.statistics_off = previous
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -204,12 +264,11 @@ def _boundary(x, control, statistics, producer, consumer, output_dtype):
 
 
 def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
-    """The converted gradient, and this edge's statistics on measured steps.
-
-    Steps that do not measure pay one fused multiply: no reduction at all.
-    """
+    """The converted gradient, and this edge's statistics on measured steps."""
     factor = stats.pow2(control[producer] - control[consumer])
     dx = ops.cast(ops.cast(dy, "float32") * factor, input_dtype)
+    if getattr(_trace_state, "statistics_off", False):
+        return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     rows = ops.cond(
         control[-1] > 0,
         lambda: _statistics(dy, control, statistics_shape[0], producer, consumer, input_dtype),

@@ -1,10 +1,12 @@
 """`instrument`: places gradient-scale boundaries on every edge of a model."""
 
 import keras
+import tensorflow as tf
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
+from tf_adaptive_scale.gradient_scale import branch_on_measure
 
 
 def instrument(model, initial_scale=1.0):
@@ -141,6 +143,33 @@ class InstrumentedModel(keras.Model):
     def layer_scales(self):
         """The current scale of every layer (unit) by layer name."""
         return self.scale_table.scales()
+
+    def train_step(self, data):
+        # Keras's TensorFlow train_step, with the forward and backward pass in
+        # one branch on whether the step measures (not one per edge). The
+        # optimizer applies outside the branch: under tf.distribute it
+        # synchronises replicas, which a conditional may not contain.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+        def forward_backward():
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                    training=True,
+                )
+                scaled = self.optimizer.scale_loss(loss)
+            return y_pred, loss, tape.gradient(scaled, self.trainable_weights)
+
+        y_pred, loss, gradients = branch_on_measure(self, forward_backward)
+        # The loss is divided by the number of replicas; report it whole, as
+        # Keras does. `_loss_tracker` is Keras's "loss" metric (no public
+        # handle on it).
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        batch_size = tf.shape(keras.tree.flatten(x)[0])[0]
+        self._loss_tracker.update_state(loss * replicas, sample_weight=batch_size)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if getattr(optimizer, "mode", None) != "per_layer":
