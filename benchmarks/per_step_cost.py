@@ -3,10 +3,12 @@
 `step_time.py` and `per_layer.py` time blocks of `fit` steps; on a shared
 machine whole blocks land on different speed levels, which leaves ratios
 uncertain by several per cent. Here every variant runs one
-`train_on_batch` in turn, N times round-robin, so slow spells hit all
-variants alike; the ratio of the mean step times (measured steps included,
-at their real frequency) is the cost a run pays. Ratios only: absolute
-times on a shared CPU mean nothing.
+`train_on_batch` in turn, in a fresh random order each round, N rounds, so
+slow spells hit all variants alike; the ratio of the mean step times
+(measured steps included, at their real frequency) is the cost a run pays.
+Besides wall time it records the process's CPU time per step: the work done,
+which other tenants of a shared machine disturb much less than wall time.
+Ratios only: absolute times on a shared CPU mean nothing.
 
 Variants: stock, adaptive (global, `update_every=100`), dynamic, and the
 model instrumented by `tas.instrument` with `scaling="per_layer"` at
@@ -18,6 +20,7 @@ Run: PYTHONPATH=. python benchmarks/per_step_cost.py [--steps 300] [--threads 1]
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -61,21 +64,27 @@ def main(argv=None):
         for _ in range(3):  # trace and compile
             model.train_on_batch(x, y)
         models[name] = model
-    seconds = {name: [] for name in models}
+    wall = {name: [] for name in models}
+    cpu = {name: [] for name in models}
+    order, shuffler = list(models), random.Random(0)
     for _ in range(args.steps):
-        for name, model in models.items():
-            began = time.perf_counter()
-            model.train_on_batch(x, y)
-            seconds[name].append(time.perf_counter() - began)
-    print(f"{args.steps} steps per variant, interleaved one by one, threads={args.threads}")
-    print(f"{'variant':16} {'mean ratio':>10} {'median ratio':>13}")
-    stock = seconds["stock"]
-    for name, times in seconds.items():
-        mean, median = np.mean(times) / np.mean(stock), np.median(times) / np.median(stock)
-        print(f"{name:16} {mean:10.3f} {median:13.3f}")
+        shuffler.shuffle(order)
+        for name in order:
+            began, began_cpu = time.perf_counter(), time.process_time()
+            models[name].train_on_batch(x, y)
+            cpu[name].append(time.process_time() - began_cpu)
+            wall[name].append(time.perf_counter() - began)
+    print(f"{args.steps} steps per variant, interleaved one by one in random "
+          f"order, threads={args.threads}")
+    print(f"{'variant':16} {'wall, mean':>10} {'wall, median':>13} {'CPU, mean':>10}")
+    for name in models:
+        ratios = [np.mean(t[name]) / np.mean(t["stock"]) for t in (wall, cpu)]
+        median = np.median(wall[name]) / np.median(wall["stock"])
+        print(f"{name:16} {ratios[0]:10.3f} {median:13.3f} {ratios[1]:10.3f}")
     for name in models:
         if name != "stock":
-            print(f"ratio {name}/stock: {np.mean(seconds[name]) / np.mean(stock):.3f}")
+            print(f"ratio {name}/stock: wall {np.mean(wall[name]) / np.mean(wall['stock']):.3f}, "
+                  f"CPU {np.mean(cpu[name]) / np.mean(cpu['stock']):.3f}")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ boundaries return as *its* gradient is the per-unit statistics of this very
 backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA. They are taken
 only on measured steps (the `measure` flag). `branch_on_measure` runs a whole
-forward and backward pass in one conditional on that flag, so that other steps
-pay one fused multiply per edge; outside it each edge has its own conditional
-(correct anywhere, a few per cent slower).
+training step in one conditional on that flag, so that other steps pay one
+fused multiply per edge; outside it each edge has its own conditional (correct
+anywhere, a few per cent slower).
 
 Statistics columns, per unit (row), all zero on steps that do not measure:
 - `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
@@ -60,27 +60,30 @@ def branch_on_measure(model, fn):
     """Runs `fn()` in one conditional on whether this step takes statistics.
 
     Boundaries traced in the branch that does not measure carry no statistics
-    code at all, instead of one conditional per edge (which XLA does not make
-    free). Put the forward pass, the loss and `tape.gradient` in `fn`; keep
-    the optimizer's `apply` outside, after it.
+    code at all, instead of one conditional per edge, which under XLA costs a
+    few per cent of the step even when not taken. Put the whole step in `fn`:
+    forward pass, loss, `tape.gradient` and the optimizer's `apply` (returning
+    gradients out of a branch copies them). Under `tf.distribute`, whose
+    optimizer step synchronises replicas inside no conditional, do not use
+    it: every boundary then branches on its own.
 
     Args:
         model: The model whose instrumented blocks `fn` runs (an
             `InstrumentedModel`, or any model containing some).
-        fn: A function of no arguments that computes the gradients; it is
-            traced twice, once per branch.
+        fn: A function of no arguments; it is traced twice, once per branch.
 
     Returns:
         What `fn` returns (the same structure from both branches).
 
     Example:
 
-    >>> def forward_backward():
+    >>> def step():
     ...     with tf.GradientTape() as tape:
-    ...         loss = optimizer.scale_loss(loss_fn(y, model(x, training=True)))
-    ...     return tape.gradient(loss, model.trainable_variables)
-    >>> grads = tas.branch_on_measure(model, forward_backward)
-    >>> optimizer.apply(grads, model.trainable_variables)
+    ...         loss = loss_fn(y, model(x, training=True))
+    ...     grads = tape.gradient(loss, model.trainable_variables)
+    ...     optimizer.apply(grads, model.trainable_variables)
+    ...     return loss
+    >>> loss = tas.branch_on_measure(model, step)
     """
     tables = {
         id(v.scale_table): v.scale_table

@@ -145,31 +145,16 @@ class InstrumentedModel(keras.Model):
         return self.scale_table.scales()
 
     def train_step(self, data):
-        # Keras's TensorFlow train_step, with the forward and backward pass in
-        # one branch on whether the step measures (not one per edge). The
-        # optimizer applies outside the branch: under tf.distribute it
-        # synchronises replicas, which a conditional may not contain.
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        def step():
+            return super(InstrumentedModel, self).train_step(data)
 
-        def forward_backward():
-            with tf.GradientTape() as tape:
-                y_pred = self(x, training=True)
-                loss = self.compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                    training=True,
-                )
-                scaled = self.optimizer.scale_loss(loss)
-            return y_pred, loss, tape.gradient(scaled, self.trainable_weights)
-
-        y_pred, loss, gradients = branch_on_measure(self, forward_backward)
-        # The loss is divided by the number of replicas; report it whole, as
-        # Keras does. `_loss_tracker` is Keras's "loss" metric (no public
-        # handle on it).
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        batch_size = tf.shape(keras.tree.flatten(x)[0])[0]
-        self._loss_tracker.update_state(loss * replicas, sample_weight=batch_size)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if tf.distribute.has_strategy():
+            # The optimizer synchronises replicas, which no conditional may
+            # contain: each boundary branches on its own instead.
+            return step()
+        # One branch per step on whether it measures, optimizer step
+        # included: gradients returned from a branch would be copied.
+        return branch_on_measure(self, step)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if getattr(optimizer, "mode", None) != "per_layer":
