@@ -73,10 +73,12 @@ layers below the 2**-30 attenuation (gradients around 1e-12) barely move in
 *any* variant, float32 included, and the curves would show nothing.
 
 Cost: step-time ratio of the instrumented MLP 512-1024-1024-10 (batch 128,
-`jit_compile=True`, the model of `benchmarks/step_time.py`, whose functions
-are reused) with `per_layer` `update_every=100` and `update_every=1` to the
-stock LossScaleOptimizer on the uninstrumented model: interleaved rounds of
-`fit` blocks, median of per-round ratios. Lines
+`jit_compile=True`, the model of `benchmarks/step_time.py`) with `per_layer`
+`update_every=100` and `update_every=1` to the stock LossScaleOptimizer on the
+uninstrumented model: one `train_on_batch` per variant in turn, in random
+order, N rounds (`benchmarks/per_step_cost.py`, whose functions are reused);
+ratios of the mean wall time per step (measured steps included at their
+frequency) and of the mean CPU time. Lines
 `ratio per_layer(update_every=100)/stock: X.XXX` and
 `ratio per_layer(update_every=1)/stock: X.XXX` are printed for grepping.
 
@@ -107,16 +109,14 @@ Caveats
   halves within 20 steps (it doubles after 2000 clean steps).
 - One seed, one batch per workload, weights at initialisation: the numbers
   are a snapshot, not a distribution over training.
-- Timing on a noisy shared CPU: read the cost ratios only, with their IQR;
-  whole blocks land on discrete step-time levels there (see
-  `benchmarks/README.md`).
+- Timing on a noisy shared CPU: read the cost ratios only; CPU time (the
+  work done) is steadier there than wall time.
 """
 
 import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 
@@ -136,6 +136,7 @@ except ImportError:  # `python benchmarks/per_layer.py` without PYTHONPATH
     import tf_adaptive_scale as tas
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+import per_step_cost  # noqa: E402  (interleaved step timing)
 import step_time  # noqa: E402  (its model, data and timing helpers)
 
 # One tf.function per model is traced on purpose; silence the retrace notes.
@@ -781,74 +782,32 @@ def cost(args):
 
 
 def _cost(args):
-    st = step_time
-    steps, repeats = args.cost_steps, args.cost_repeats
-    dataset = st.make_dataset(steps, args.seed)
-    weights = st.build_model(args.seed).get_weights()
-    loss = keras.losses.SparseCategoricalCrossentropy()
     names = ["stock", "per_layer_100", "per_layer_1"]
-    models, optimizers, traces = {}, {}, {}
-    for name in names:
-        model = st.build_model(args.seed)
-        model.set_weights(weights)
-        if name == "stock":
-            optimizer = keras.mixed_precision.LossScaleOptimizer(
-                keras.optimizers.Adam()
-            )
-        else:
-            model = tas.instrument(model)
-            optimizer = tas.AdaptiveLossScaleOptimizer(
-                keras.optimizers.Adam(), scaling="per_layer",
-                update_every=100 if name == "per_layer_100" else 1,
-            )
-        traces[name] = 0
-        st.count_traces(model, traces, name)
-        model.compile(optimizer=optimizer, loss=loss, jit_compile=True,
-                      steps_per_execution=1)
-        models[name], optimizers[name] = model, optimizer
     print(f"  cost: warming up {len(names)} variants (jit_compile=True) ...",
           flush=True)
-    for name in names:
-        st.run_block(models[name], dataset)
-    traced = dict(traces)
-    shuffler = random.Random(args.seed)
-    seconds = {n: [] for n in names}
-    for round_index in range(repeats):
-        order = list(names)
-        shuffler.shuffle(order)
-        for name in order:
-            elapsed, _ = st.run_block(models[name], dataset)
-            seconds[name].append(elapsed / steps)
-    total = steps * (1 + repeats)
-    results = {}
-    for name in names:
-        ratios = [v / s for v, s in zip(seconds[name], seconds["stock"])]
-        q25, q50, q75 = st.quartiles(ratios)
-        optimizer = optimizers[name]
-        if isinstance(optimizer, tas.AdaptiveLossScaleOptimizer):
-            skipped = int(optimizer.skipped_steps.numpy())
-        else:
-            skipped = total - int(optimizer.iterations.numpy())
-        results[name] = {
-            "median_ratio": q50, "ratio_q25": q25, "ratio_q75": q75,
-            "ratio_of_medians": float(
-                np.median(seconds[name]) / np.median(seconds["stock"])
-            ),
-            "per_round_ratio": ratios,
-            "skipped_steps": skipped,
-            "total_steps": total,
-        }
-    retraced = {n: traces[n] - traced[n] for n in names if traces[n] != traced[n]}
+    models, batch = per_step_cost.build(names, args.seed)
+    traces = {name: 0 for name in names}
+    for name, model in models.items():
+        step_time.count_traces(model, traces, name)
+    ratios = per_step_cost.interleave(models, batch, args.cost_steps, args.seed)
+    skipped = {
+        name: int(model.optimizer.skipped_steps.numpy())
+        if isinstance(model.optimizer, tas.AdaptiveLossScaleOptimizer)
+        else 3 + args.cost_steps - int(model.optimizer.iterations.numpy())
+        for name, model in models.items()
+    }
     return {
         "model": f"MLP {step_time.INPUT_DIM}-"
         f"{'-'.join(map(str, step_time.HIDDEN))}-{step_time.CLASSES}",
         "batch_size": step_time.BATCH,
         "jit_compile": True,
-        "repeats": repeats,
-        "steps": steps,
-        "results": results,
-        "retraces_during_timing": retraced,
-        "raw_seconds_per_step": seconds,
+        "steps": args.cost_steps,
+        "results": {
+            name: dict(ratios[name], skipped_steps=skipped[name],
+                       total_steps=3 + args.cost_steps)
+            for name in names
+        },
+        "retraces_during_timing": {n: c for n, c in traces.items() if c},
     }
 
 
@@ -959,22 +918,21 @@ def print_curves(c):
 def print_cost(c):
     print()
     print(f"Cost: step-time ratio to stock LossScaleOptimizer, {c['model']}, "
-          f"batch {c['batch_size']}, jit_compile=True, median over "
-          f"{c['repeats']} interleaved rounds of {c['steps']} steps")
-    header = (f"  {'variant':<16} {'median':>7} {'IQR (q25-q75)':>15} "
-              f"{'ratio of medians':>17} {'skipped/total':>14}")
+          f"batch {c['batch_size']}, jit_compile=True, {c['steps']} steps per "
+          "variant interleaved one by one in random order")
+    header = (f"  {'variant':<16} {'wall, mean':>10} {'wall, median':>13} "
+              f"{'CPU, mean':>10} {'skipped/total':>14}")
     print(header)
     print("  " + "-" * (len(header) - 2))
     for name, r in c["results"].items():
-        iqr = f"{r['ratio_q25']:.3f}-{r['ratio_q75']:.3f}"
-        print(f"  {name:<16} {r['median_ratio']:>7.3f} {iqr:>15} "
-              f"{r['ratio_of_medians']:>17.3f} "
-              f"{r['skipped_steps']:>6}/{r['total_steps']:<7}")
+        print(f"  {name:<16} {r['wall']:>10.3f} {r['wall_median']:>13.3f} "
+              f"{r['cpu']:>10.3f} {r['skipped_steps']:>6}/{r['total_steps']:<7}")
     print()
     for name, label in (("per_layer_100", "update_every=100"),
                         ("per_layer_1", "update_every=1")):
-        print(f"ratio per_layer({label})/stock: "
-              f"{c['results'][name]['median_ratio']:.3f}")
+        r = c["results"][name]
+        print(f"ratio per_layer({label})/stock: {r['wall']:.3f} "
+              f"(CPU time {r['cpu']:.3f})")
     if c["retraces_during_timing"]:
         print("WARNING: retraced during timing:", c["retraces_during_timing"])
 
@@ -1010,10 +968,9 @@ def parse_args(argv=None):
                         help="training-curve steps (default 100; 40 quick)")
     parser.add_argument("--no-curves", dest="curves", action="store_false")
     parser.add_argument("--no-cost", dest="cost", action="store_false")
-    parser.add_argument("--cost-repeats", type=int, default=None,
-                        help="interleaved rounds (default 15; 5 quick)")
     parser.add_argument("--cost-steps", type=int, default=None,
-                        help="steps per block (default 50; 20 quick)")
+                        help="interleaved steps per variant (default 400; "
+                        "200 quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow threads (0: default); 1 steadies "
@@ -1025,10 +982,8 @@ def parse_args(argv=None):
         args.k_step = 2 if quick else 1
     if args.train_steps is None:
         args.train_steps = 40 if quick else 100
-    if args.cost_repeats is None:
-        args.cost_repeats = 5 if quick else 15
     if args.cost_steps is None:
-        args.cost_steps = 20 if quick else 50
+        args.cost_steps = 200 if quick else 400
     args.sizes = {}
     for name in SIZES:
         given = getattr(args, f"{name}_sizes")

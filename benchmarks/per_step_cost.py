@@ -15,7 +15,7 @@ model instrumented by `tas.instrument` with `scaling="per_layer"` at
 `update_every=100` and `update_every=1`; MLP 512-1024-1024-10, batch 128,
 mixed_float16, jit_compile=True (the model of `step_time.py`).
 
-Run: PYTHONPATH=. python benchmarks/per_step_cost.py [--steps 300] [--threads 1]
+Run: PYTHONPATH=. python benchmarks/per_step_cost.py [--steps 400] [--threads 1]
 """
 
 import argparse
@@ -42,49 +42,69 @@ VARIANTS = {
 }
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="steps per variant")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="TensorFlow threads (0: TF's default)")
-    args = parser.parse_args(argv)
-    step_time.set_threads(args.threads)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((128, step_time.INPUT_DIM)).astype("float32")
-    y = rng.integers(0, step_time.CLASSES, 128)
-    weights = step_time.build_model(0).get_weights()
+def build(names, seed=0):
+    """`{name: compiled model}` for the named VARIANTS, warmed up (traced and
+    compiled), all from the same initial weights; and the batch `(x, y)`."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((step_time.BATCH, step_time.INPUT_DIM)).astype("float32")
+    y = rng.integers(0, step_time.CLASSES, step_time.BATCH)
+    weights = step_time.build_model(seed).get_weights()
     models = {}
-    for name, (instrumented, make_optimizer) in VARIANTS.items():
-        model = step_time.build_model(0)
+    for name in names:
+        instrumented, make_optimizer = VARIANTS[name]
+        model = step_time.build_model(seed)
         model.set_weights(weights)
         if instrumented:
             model = tas.instrument(model)
         model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(), jit_compile=True)
-        for _ in range(3):  # trace and compile
+        for _ in range(3):
             model.train_on_batch(x, y)
         models[name] = model
+    return models, (x, y)
+
+
+def interleave(models, batch, steps, seed=0):
+    """Runs `steps` rounds of one `train_on_batch` per model, in a fresh
+    random order each round. Returns `{name: {"wall", "cpu", "wall_median"}}`,
+    ratios to `models["stock"]` of the mean wall and CPU seconds per step."""
     wall = {name: [] for name in models}
     cpu = {name: [] for name in models}
-    order, shuffler = list(models), random.Random(0)
-    for _ in range(args.steps):
+    order, shuffler = list(models), random.Random(seed)
+    for _ in range(steps):
         shuffler.shuffle(order)
         for name in order:
             began, began_cpu = time.perf_counter(), time.process_time()
-            models[name].train_on_batch(x, y)
+            models[name].train_on_batch(*batch)
             cpu[name].append(time.process_time() - began_cpu)
             wall[name].append(time.perf_counter() - began)
+    return {
+        name: {
+            "wall": float(np.mean(wall[name]) / np.mean(wall["stock"])),
+            "cpu": float(np.mean(cpu[name]) / np.mean(cpu["stock"])),
+            "wall_median": float(np.median(wall[name]) / np.median(wall["stock"])),
+        }
+        for name in models
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400, help="steps per variant")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="TensorFlow threads (0: TF's default)")
+    args = parser.parse_args(argv)
+    step_time.set_threads(args.threads)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    models, batch = build(VARIANTS)
+    ratios = interleave(models, batch, args.steps)
     print(f"{args.steps} steps per variant, interleaved one by one in random "
           f"order, threads={args.threads}")
     print(f"{'variant':16} {'wall, mean':>10} {'wall, median':>13} {'CPU, mean':>10}")
-    for name in models:
-        ratios = [np.mean(t[name]) / np.mean(t["stock"]) for t in (wall, cpu)]
-        median = np.median(wall[name]) / np.median(wall["stock"])
-        print(f"{name:16} {ratios[0]:10.3f} {median:13.3f} {ratios[1]:10.3f}")
-    for name in models:
+    for name, r in ratios.items():
+        print(f"{name:16} {r['wall']:10.3f} {r['wall_median']:13.3f} {r['cpu']:10.3f}")
+    for name, r in ratios.items():
         if name != "stock":
-            print(f"ratio {name}/stock: wall {np.mean(wall[name]) / np.mean(wall['stock']):.3f}, "
-                  f"CPU {np.mean(cpu[name]) / np.mean(cpu['stock']):.3f}")
+            print(f"ratio {name}/stock: wall {r['wall']:.3f}, CPU {r['cpu']:.3f}")
 
 
 if __name__ == "__main__":

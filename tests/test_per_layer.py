@@ -170,13 +170,17 @@ def test_custom_loop_traced_once_with_xla():
     traces = []
 
     @tf.function(jit_compile=True)
-    def step(xb, yb):
+    def step(xb, yb):  # the README's loop
         traces.append(1)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
-            scaled = opt.scale_loss(loss)  # the identity: scales live in the model
-        opt.apply(tape.gradient(scaled, variables), variables)
-        return loss
+
+        def train():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
+                scaled = opt.scale_loss(loss)  # the identity: scales live in the model
+            opt.apply(tape.gradient(scaled, variables), variables)
+            return loss
+
+        return tas.branch_on_measure(inst, train)
 
     losses = [float(step(x, y)) for _ in range(6)]
     assert len(traces) == 1 and losses[-1] < losses[0]
