@@ -39,6 +39,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_statistics as stats
 
 OUTPUT_MAX = stats.NUM_BINS
@@ -64,8 +65,8 @@ def branch_on_measure(model, fn):
     few per cent of the step even when not taken. Put the whole step in `fn`:
     forward pass, loss, `tape.gradient` and the optimizer's `apply` (returning
     gradients out of a branch copies them). Under `tf.distribute`, whose
-    optimizer step synchronises replicas inside no conditional, do not use
-    it: every boundary then branches on its own.
+    optimizer step synchronises replicas inside no conditional, it runs `fn`
+    as it is: every boundary then branches on its own.
 
     Args:
         model: The model whose instrumented blocks `fn` runs (an
@@ -90,7 +91,7 @@ def branch_on_measure(model, fn):
         for v in model.trainable_variables
         if hasattr(v, "scale_table")
     }
-    if not tables:
+    if not tables or distribution.synchronises_replicas():
         return fn()
     measure = ops.any(ops.stack([t.measure > 0 for t in tables.values()]))
 

@@ -1,7 +1,6 @@
 """`instrument`: places gradient-scale boundaries on every edge of a model."""
 
 import keras
-import tensorflow as tf
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.gradient_scale import GradientScale
@@ -145,16 +144,10 @@ class InstrumentedModel(keras.Model):
         return self.scale_table.scales()
 
     def train_step(self, data):
-        def step():
-            return super(InstrumentedModel, self).train_step(data)
-
-        if tf.distribute.has_strategy():
-            # The optimizer synchronises replicas, which no conditional may
-            # contain: each boundary branches on its own instead.
-            return step()
-        # One branch per step on whether it measures, optimizer step
-        # included: gradients returned from a branch would be copied.
-        return branch_on_measure(self, step)
+        # One branch per step on whether it measures, optimizer step included.
+        return branch_on_measure(
+            self, lambda: super(InstrumentedModel, self).train_step(data)
+        )
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if getattr(optimizer, "mode", None) != "per_layer":
