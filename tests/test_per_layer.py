@@ -252,6 +252,25 @@ def test_fit_branches_once_and_matches_a_loop_with_one_conditional_per_edge(monk
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_fit_updates_batch_norm_statistics_inside_the_branch():
+    reference, x, y = build("convolutional", "float32")
+    weights = reference.get_weights()
+    model, _, _ = build("convolutional", "mixed_float16")
+    model.set_weights(weights)
+    inst = tas.instrument(model)
+    reference.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
+    inst.compile(per_layer_optimizer(keras.optimizers.SGD(0.01), update_every=2),
+                 "mse", jit_compile=True)
+    for m in (reference, inst):
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    (ref_bn,) = [l for l in reference.layers if isinstance(l, keras.layers.BatchNormalization)]
+    (bn,) = [l for l in model.layers if isinstance(l, keras.layers.BatchNormalization)]
+    moved = np.abs(ref_bn.moving_mean.numpy()).max()
+    assert moved > 0
+    np.testing.assert_allclose(bn.moving_mean.numpy(), ref_bn.moving_mean.numpy(), atol=1e-2 * moved)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), ref_bn.moving_variance.numpy(), rtol=1e-3)
+
+
 def trained(steps=4):
     model, x, y = build("residual", "mixed_float16")
     inst = tas.instrument(model)
