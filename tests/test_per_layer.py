@@ -145,6 +145,30 @@ def test_overflow_inside_a_layer_backward_blames_that_layer():
     assert table.log2_scales.numpy()[unit_of(inst, "low")] == 0  # received it: kept
 
 
+def test_overflow_of_the_unused_input_gradient_skips_nothing():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((64,)),
+         keras.layers.Dense(64, name="big", kernel_initializer=keras.initializers.Constant(1e3)),
+         keras.layers.Dense(1, name="top", kernel_initializer=keras.initializers.Constant(1e-3))]
+    )
+    inst = tas.instrument(model)
+    inst.scale_table.log2_scales.assign(np.array([0, 12, 0], "float32"))
+    x, y = np.full((4, 64), 1e-3, "float32"), np.full((4, 1), 1e-2, "float32")
+    x_var = tf.Variable(x)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(inst(x_var) - y))
+    assert not np.isfinite(tape.gradient(loss, x_var).numpy()).all()  # dx = dy W^T overflows
+    opt = per_layer_optimizer(keras.optimizers.SGD(1e-3))
+    inst.compile(opt, "mse", jit_compile=True)
+    before = [w.copy() for w in model.get_weights()]
+    inst.train_on_batch(x, y)  # measured (the first step)
+    assert int(opt.skipped_steps) == 0
+    after = model.get_weights()
+    assert all(np.isfinite(w).all() for w in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+
+
 @pytest.mark.parametrize("jit", [True, False])
 def test_fit_learns_like_float32_and_skips_nothing(jit):
     reference, x, y = build("transformer", "float32")
@@ -191,6 +215,13 @@ def boundaries(inst):
     return sum(isinstance(layer, tas.GradientScale) for layer in inst.layers)
 
 
+def measured_boundaries(inst):  # all but those on the model's inputs
+    return sum(
+        isinstance(layer, tas.GradientScale) and layer.producer != gs.LOSS_UNIT
+        for layer in inst.layers
+    )
+
+
 def test_steps_that_do_not_measure_carry_no_statistics_code():
     """The branch that does not measure holds no per-edge conditional."""
     model, x, y = build("residual", "mixed_float16")
@@ -210,7 +241,7 @@ def test_steps_that_do_not_measure_carry_no_statistics_code():
         f.signature.name: sum(n.op in conditionals for n in f.node_def)
         for f in graph.library.function
     }
-    assert inner[outer.attr["then_branch"].func.name] == boundaries(inst)
+    assert inner[outer.attr["then_branch"].func.name] == measured_boundaries(inst) > 0
     assert inner[outer.attr["else_branch"].func.name] == 0
 
 

@@ -25,7 +25,8 @@ Statistics columns, per unit (row), all zero on steps that do not measure:
   produced;
 - `OUTPUT_MAX`: sum over its output edges of max |unscaled gradient|;
 - `INPUT_MAX`: sum over its input edges of the max |unscaled gradient| its
-  backward produced (so overflow of its input gradients is seen too);
+  backward produced (so overflow of its input gradients is seen too), the
+  model's inputs excepted;
 - `PRODUCED_NON_FINITE`: its backward produced a non-finite input gradient;
 - `CONVERSION_OVERFLOW`: converting a finite gradient to its scale overflowed;
 - `RECEIVED_NON_FINITE`: its output gradient was non-finite.
@@ -271,7 +272,11 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     """The converted gradient, and this edge's statistics on measured steps."""
     factor = stats.pow2(control[producer] - control[consumer])
     dx = ops.cast(ops.cast(dy, "float32") * factor, input_dtype)
-    if getattr(_trace_state, "statistics_off", False):
+    # Gradients leaving through the model's inputs are not measured: a
+    # top-level model never uses them (measuring would compute them for
+    # nothing, and an overflow there would skip a step that harms no weight);
+    # in a block, the layers they reach have their own checks.
+    if getattr(_trace_state, "statistics_off", False) or producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     rows = ops.cond(
         control[-1] > 0,
