@@ -13,9 +13,11 @@ Ratios only: absolute times on a shared CPU mean nothing.
 Variants: stock, adaptive (global, `update_every=100`), dynamic, and the
 model instrumented by `tas.instrument` with `scaling="per_layer"` at
 `update_every=100` and `update_every=1`; MLP 512-1024-1024-10, batch 128,
-mixed_float16, jit_compile=True (the model of `step_time.py`).
+mixed_float16, jit_compile=True (the model of `step_time.py`); optionally
+without XLA, or under MirroredStrategy over logical CPUs.
 
 Run: PYTHONPATH=. python benchmarks/per_step_cost.py [--steps 400] [--threads 1]
+     [--no-jit] [--replicas 2]
 """
 
 import argparse
@@ -26,6 +28,7 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_time  # noqa: E402  (its model and thread pinning)
@@ -42,9 +45,10 @@ VARIANTS = {
 }
 
 
-def build(names, seed=0):
+def build(names, seed=0, jit_compile=True):
     """`{name: compiled model}` for the named VARIANTS, warmed up (traced and
-    compiled), all from the same initial weights; and the batch `(x, y)`."""
+    compiled), all from the same initial weights; and the batch `(x, y)`.
+    Models are built in the current `tf.distribute` strategy's scope."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((step_time.BATCH, step_time.INPUT_DIM)).astype("float32")
     y = rng.integers(0, step_time.CLASSES, step_time.BATCH)
@@ -56,7 +60,8 @@ def build(names, seed=0):
         model.set_weights(weights)
         if instrumented:
             model = tas.instrument(model)
-        model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(), jit_compile=True)
+        model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(),
+                      jit_compile=jit_compile)
         for _ in range(3):
             model.train_on_batch(x, y)
         models[name] = model
@@ -92,13 +97,31 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=400, help="steps per variant")
     parser.add_argument("--threads", type=int, default=0,
                         help="TensorFlow threads (0: TF's default)")
+    parser.add_argument("--no-jit", dest="jit", action="store_false",
+                        help="jit_compile=False")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="MirroredStrategy over this many logical CPUs "
+                        "(implies --no-jit: XLA clusters cannot reach the "
+                        "other logical devices' variables)")
     args = parser.parse_args(argv)
     step_time.set_threads(args.threads)
+    strategy = tf.distribute.get_strategy()
+    if args.replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * args.replicas
+        )
+        strategy = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(args.replicas)]
+        )
+        args.jit = False
     keras.mixed_precision.set_global_policy("mixed_float16")
-    models, batch = build(VARIANTS)
+    with strategy.scope():
+        models, batch = build(VARIANTS, jit_compile=args.jit)
     ratios = interleave(models, batch, args.steps)
     print(f"{args.steps} steps per variant, interleaved one by one in random "
-          f"order, threads={args.threads}")
+          f"order, threads={args.threads}, jit_compile={args.jit}, "
+          f"replicas={args.replicas}")
     print(f"{'variant':16} {'wall, mean':>10} {'wall, median':>13} {'CPU, mean':>10}")
     for name, r in ratios.items():
         print(f"{name:16} {r['wall']:10.3f} {r['wall_median']:13.3f} {r['cpu']:10.3f}")
