@@ -396,6 +396,39 @@ def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
     assert set(opt.layer_scales()) == set(net.encoder.layer_scales()) | set(net.decoder.layer_scales())
 
 
+def test_branch_on_measure_over_several_blocks_matches_per_edge_branching():
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((16, 6)).astype("float32"), rng.standard_normal((16, 2)).astype("float32")
+    runs = []
+    for branched in (True, False):
+        encoder, decoder, head = blocks("mixed_float16")  # same seed: same weights
+        net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
+        net(x)
+        opt = per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2)
+        variables = net.trainable_variables
+        opt.build(variables)
+
+        def train():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(net(x) - y))
+            opt.apply(tape.gradient(loss, variables), variables)
+            return loss
+
+        step = tf.function(
+            (lambda: tas.branch_on_measure(net, train)) if branched else train,
+            jit_compile=True,
+        )
+        losses = [float(step()) for _ in range(5)]
+        tables = [b.scale_table for b in (net.encoder, net.decoder)]
+        runs.append((losses, [t.statistics.numpy() for t in tables],
+                     list(opt.layer_scales().values()), [v.numpy() for v in variables]))
+    (losses, stats, scales, weights), (losses2, stats2, scales2, weights2) = runs
+    np.testing.assert_allclose(losses, losses2, rtol=1e-6)
+    assert scales == scales2 and int(opt.skipped_steps) == 0
+    for a, b in zip(stats + weights, stats2 + weights2):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_units_whose_gradient_all_underflowed_rise_at_once():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")])
