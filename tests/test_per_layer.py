@@ -384,9 +384,17 @@ def test_subclassed_model_with_instrumented_blocks_is_exact():
         np.testing.assert_allclose(got[id(v)].numpy() / scale, reference[id(v)].numpy(), rtol=1e-6, atol=1e-7)
 
 
-def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
+class BranchedTwoBlockNet(TwoBlockNet):
+    """The README's train_step for subclassed models with instrumented blocks."""
+
+    def train_step(self, data):
+        return tas.branch_on_measure(self, lambda: super(BranchedTwoBlockNet, self).train_step(data))
+
+
+@pytest.mark.parametrize("net_class", [TwoBlockNet, BranchedTwoBlockNet])
+def test_subclassed_model_with_instrumented_blocks_trains_in_float16(net_class):
     encoder, decoder, head = blocks("mixed_float16")
-    net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
+    net = net_class(tas.instrument(encoder), tas.instrument(decoder), head)
     opt = per_layer_optimizer(keras.optimizers.Adam(1e-2), update_every=2)
     net.compile(opt, "mse", jit_compile=True)
     rng = np.random.default_rng(2)
