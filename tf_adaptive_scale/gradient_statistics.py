@@ -173,6 +173,29 @@ def adaptive_log2_scale(histogram, max_abs, underflow_rate, log2_headroom):
     return log2_scale, low, high
 
 
+def bounded_log2_scale(
+    log2_scale, log2_current, log2_ceiling, log2_min, log2_max, max_rise=None
+):
+    """Bounds a proposed scale exponent as the optimizer's settings require.
+
+    Args:
+        log2_scale: Proposed exponent(s).
+        log2_current: Exponent(s) of the scale now in use.
+        log2_ceiling: Cap(s), lowered after overflows.
+        log2_min: Exponent of `min_scale`.
+        log2_max: Exponent of `max_scale`.
+        max_rise: Optional most binades a scale may rise in one update.
+
+    Returns:
+        The exponent(s) within `[log2_min, min(log2_max, log2_ceiling)]`,
+        at most `max_rise` above `log2_current`.
+    """
+    bounded = ops.minimum(ops.clip(log2_scale, log2_min, log2_max), log2_ceiling)
+    if max_rise is not None:
+        bounded = ops.minimum(bounded, log2_current + max_rise)
+    return bounded
+
+
 def _count_below(histogram, exponent):
     """Counts values whose binary exponent is below `exponent`."""
     edges = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
@@ -190,4 +213,5 @@ __all__ = [
     "underflow_fraction",
     "scale_bounds",
     "adaptive_log2_scale",
+    "bounded_log2_scale",
 ]

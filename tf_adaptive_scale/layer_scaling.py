@@ -70,15 +70,15 @@ def layer_log2_scales(
     chosen, _, _ = stats.adaptive_log2_scale(
         weights, peak, underflow_rate, log2_headroom
     )
-    chosen = ops.minimum(ops.clip(chosen, log2_min, log2_max), log2_ceilings)
     # All-zero gradients may have underflowed entirely: raise the scale.
-    raised = ops.minimum(
-        ops.minimum(log2_scales + UNSEEN_STEP, log2_max), log2_ceilings
+    chosen = ops.where(
+        ops.sum(histogram, axis=-1) > 0, chosen, log2_scales + UNSEEN_STEP
     )
-    chosen = ops.where(ops.sum(histogram, axis=-1) > 0, chosen, raised)
-    if max_rise is not None:
-        chosen = ops.minimum(chosen, log2_scales + max_rise)
-    return _keep_loss_unit(chosen)
+    return _keep_loss_unit(
+        stats.bounded_log2_scale(
+            chosen, log2_scales, log2_ceilings, log2_min, log2_max, max_rise
+        )
+    )
 
 
 def overflow_origins(statistics, weight_non_finite):

@@ -471,16 +471,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             weights, max_abs, self.underflow_rate, math.log2(self.headroom)
         )
         if self.mode == "adaptive":
-            log2_scale = ops.minimum(
-                ops.clip(
-                    log2_scale, math.log2(self.min_scale), math.log2(self.max_scale)
-                ),
+            log2_scale = stats.bounded_log2_scale(
+                log2_scale,
+                ops.round(ops.log2(scale)),
                 ops.log2(self.scale_ceiling),
+                math.log2(self.min_scale),
+                math.log2(self.max_scale),
+                self.max_scale_rise,
             )
-            if self.max_scale_rise is not None:
-                log2_scale = ops.minimum(
-                    log2_scale, ops.round(ops.log2(scale)) + self.max_scale_rise
-                )
             # Nothing nonzero to measure: keep the scale.
             scale = ops.where(
                 ops.sum(histogram) > 0, stats.pow2(log2_scale), scale
