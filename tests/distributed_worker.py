@@ -53,9 +53,9 @@ def make_model():
     )
 
 
-def initial_weights(seed=0):
+def initial_weights(seed=0, make=make_model):
     keras.utils.set_random_seed(seed)
-    return make_model().get_weights()
+    return make().get_weights()
 
 
 def _value(variable):
@@ -312,11 +312,6 @@ def make_graph_model():
     return keras.Model(x, keras.layers.Dense(1, name="g_out")(s), name="graph")
 
 
-def graph_initial_weights(seed=0):
-    keras.utils.set_random_seed(seed)
-    return make_graph_model().get_weights()
-
-
 def _replicas(strategy, variable):
     """The per-replica values of a (Keras) variable, as numpy arrays.
 
@@ -359,7 +354,7 @@ def per_layer_fit_fp16():
     try:
         strategy = tf.distribute.MirroredStrategy(CPUS)
         assert strategy.num_replicas_in_sync == 2
-        weights0 = graph_initial_weights(3)
+        weights0 = initial_weights(make=make_graph_model, seed=3)
         x, y = _fit_data(3)
         x = 8.0 * x  # larger first-layer gradients: the units' scales differ
         runs = {}
@@ -429,7 +424,7 @@ def per_layer_fixed_scales_fp32():
     training of the uninstrumented model on one device."""
     strategy = tf.distribute.MirroredStrategy(CPUS)
     assert strategy.num_replicas_in_sync == 2
-    weights0 = graph_initial_weights(4)
+    weights0 = initial_weights(make=make_graph_model, seed=4)
     x, y = _fit_data(4)
     x, y = x[: FIXED_STEPS * GLOBAL_BATCH], y[: FIXED_STEPS * GLOBAL_BATCH]
     fit_kwargs = dict(
@@ -514,7 +509,7 @@ def _per_layer_overflow():
     strategy = tf.distribute.MirroredStrategy(CPUS)
     assert strategy.num_replicas_in_sync == 2
     global_batch = 2 * PER_REPLICA
-    weights0 = graph_initial_weights(5)
+    weights0 = initial_weights(make=make_graph_model, seed=5)
 
     x, y, clean_x = _replica_one_overflow_batches(seed=5)
     shard = functools.partial(_shard, strategy)

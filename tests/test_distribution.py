@@ -152,6 +152,25 @@ def test_replica_one_shards_and_overflow_setup(scenario):
     assert r["local_grads_finite"] == [True, False]
 
 
+def assert_first_step_skipped(r):
+    """The overflowing first step was skipped on every replica."""
+    assert r["weights_finite"]
+    assert r["weights_bitwise_unchanged"]
+    assert r["skipped_steps"] == 1
+    assert r["total_steps"] == 1
+    assert r["iterations"] == 0
+    assert r["last_step_finite"] is False
+
+
+def assert_next_step_applied(after):
+    """The clean step after it was applied."""
+    assert after["weights_finite"]
+    assert after["weights_changed"]
+    assert after["iterations"] == 1
+    assert after["skipped_steps"] == 1
+    assert after["total_steps"] == 2
+
+
 def test_stock_keras_applies_replica_one_overflow():
     stock = _scenario("overflow_stock")
     if stock["weights_finite"]:
@@ -165,20 +184,11 @@ def test_stock_keras_applies_replica_one_overflow():
 
 def test_adaptive_skips_step_on_replica_one_overflow():
     r = _scenario("overflow_adaptive")
-    assert r["weights_finite"]
-    assert r["weights_bitwise_unchanged"]
-    assert r["skipped_steps"] == 1
-    assert r["total_steps"] == 1
-    assert r["iterations"] == 0
-    assert r["last_step_finite"] is False
+    assert_first_step_skipped(r)
     assert r["loss_scale"] == 2.0**14
     # The next, clean step on both replicas is applied normally.
     after = r["after_clean_step"]
-    assert after["weights_finite"]
-    assert after["weights_changed"]
-    assert after["iterations"] == 1
-    assert after["skipped_steps"] == 1
-    assert after["total_steps"] == 2
+    assert_next_step_applied(after)
     assert after["loss_scale"] == 2.0**14
 
 
@@ -295,12 +305,7 @@ def test_per_layer_replica_one_overflow():
     # The setup: replica 0's gradients are finite, replica 1's are not.
     assert r["local_grads_finite"] == [True, False]
     # Skipped on both replicas.
-    assert r["weights_bitwise_unchanged"]
-    assert r["weights_finite"]
-    assert r["skipped_steps"] == 1
-    assert r["total_steps"] == 1
-    assert r["iterations"] == 0
-    assert r["last_step_finite"] is False
+    assert_first_step_skipped(r)
     # The same scale table on both replicas, with some unit lowered.
     assert r["log2_scales_identical"]
     assert r["log2_ceilings_identical"]
@@ -313,13 +318,9 @@ def test_per_layer_replica_one_overflow():
     assert any(c < 15.0 for c in r["log2_ceilings_per_replica"][0][1:])
     # The next, clean step is applied, alike on both replicas.
     after = r["after_clean_step"]
-    assert after["weights_changed"]
+    assert_next_step_applied(after)
     assert after["weights_identical"]
-    assert after["weights_finite"]
     assert after["last_step_finite"] is True
-    assert after["skipped_steps"] == 1
-    assert after["total_steps"] == 2
-    assert after["iterations"] == 1
     assert after["log2_scales_identical"]
     assert after["log2_ceilings_identical"]
     assert after["statistics_identical"]
