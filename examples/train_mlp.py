@@ -42,7 +42,7 @@ class PrintScale(keras.callbacks.Callback):
             f"window [2**{low:.0f}, 2**{high:.0f}] "
             f"clipped {int(opt.clipped_steps)}"
         )
-        if opt.mode == "per_layer":
+        if opt.scaling == "per_layer":
             scales = ", ".join(
                 f"{name} 2**{np.log2(scale):.0f}"
                 for name, scale in opt.layer_scales().items()

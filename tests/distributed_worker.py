@@ -449,7 +449,7 @@ def per_layer_fixed_scales_fp32():
     table.log2_scales.assign(log2)
     table.measure.assign(0.0)
     # Not scheduled to measure (a fresh optimizer would measure at once).
-    opt.steps_since_update.assign(1)
+    opt.steps_to_measure.assign(10**6)
     history = instrumented.fit(x, y, **fit_kwargs)
 
     keras.utils.set_random_seed(0)

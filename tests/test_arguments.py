@@ -19,8 +19,14 @@ def make(**kwargs):
         (dict(initial_scale=float("inf")), ValueError, "`initial_scale`"),
         (dict(initial_scale="big"), TypeError, "`initial_scale`"),
         (dict(min_scale=0.0), ValueError, "`min_scale`"),
-        (dict(max_scale=2.0**10), ValueError, "min_scale <= initial_scale <= max_scale"),
-        (dict(min_scale=2.0**16), ValueError, "min_scale <= initial_scale <= max_scale"),
+        (dict(initial_scale=float("nan")), ValueError, "`initial_scale`"),
+        (dict(initial_scale=2.0**-140), ValueError, r"`initial_scale` must be a power of two from 2\*\*-126"),
+        (dict(initial_scale=2.0**200), ValueError, "`initial_scale`"),
+        (dict(min_scale=2.0**-140), ValueError, "`min_scale`"),
+        (dict(max_scale=2.0**200), ValueError, "`max_scale`"),
+        (dict(scaling="adaptive", max_scale=2.0**10), ValueError, "min_scale <= initial_scale <= max_scale"),
+        (dict(scaling="static", min_scale=2.0**16), ValueError, "min_scale <= initial_scale <= max_scale"),
+        (dict(scaling="per_layer", min_scale=2.0**16, max_scale=2.0**8), ValueError, "`min_scale` must be <= `max_scale`"),
         (dict(dynamic_growth_steps=0), ValueError, "`dynamic_growth_steps` must be an int >= 1"),
         (dict(dynamic_growth_steps=2.5), TypeError, "`dynamic_growth_steps`"),
         (dict(hysteresis=0), ValueError, "`hysteresis`"),
@@ -57,6 +63,19 @@ def test_inner_optimizer_must_be_a_plain_keras_optimizer():
         tas.AdaptiveLossScaleOptimizer(stock)
     with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
         tas.AdaptiveLossScaleOptimizer(make())
+
+
+def test_per_layer_does_not_check_the_unused_initial_scale():
+    opt = make(scaling="per_layer", initial_scale=2.0**15, max_scale=2.0**10)
+    assert opt.scaling == "per_layer" and opt.max_scale == 2.0**10
+
+
+def test_a_deferred_global_mode_checks_initial_scale_when_resolved():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    opt = make(max_scale=2.0**10)
+    var = keras.Variable([1.0])
+    with pytest.raises(ValueError, match="min_scale <= initial_scale <= max_scale"):
+        opt.apply([keras.ops.ones((1,))], [var])
 
 
 def test_valid_edge_values_are_accepted():

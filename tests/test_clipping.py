@@ -174,6 +174,6 @@ def test_clipping_and_statistics_without_scaling_in_bfloat16():
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1), global_clipnorm=1e-3, update_every=1)
     model.compile(opt, "mse", jit_compile=True)
     model.fit(np.ones((8, 4)), np.full((8, 1), 5.0), batch_size=8, epochs=2, verbose=0)
-    assert opt.mode == "none" and float(opt.loss_scale) == 1.0
+    assert opt.scaling == "none" and float(opt.loss_scale) == 1.0
     assert int(opt.clipped_steps) == 2
     assert float(opt.gradient_max) > 0 and float(np.sum(opt.gradient_histogram.numpy())) > 0

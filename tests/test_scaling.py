@@ -85,21 +85,51 @@ def test_none_mode_does_not_scale():
     opt, var = make(dict(scaling="none"))
     assert float(opt.loss_scale) == 1.0
     loss = tf.constant(3.0)
-    assert opt.scale_loss(loss) is loss
+    assert float(opt.scale_loss(loss)) == 3.0
     before = var.numpy()
     run(opt, var, [2.0, np.nan])
     np.testing.assert_allclose(var.numpy(), before - 0.2)
     assert int(opt.skipped_steps) == 1
 
 
-def test_default_mode_follows_policy():
-    assert tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()).mode == "none"
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    assert tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()).mode == "none"
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def fit_one_step(build_model, optimizer):
+    model = build_model()
+    model.compile(optimizer, "mse", jit_compile=True)
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=8, epochs=1, verbose=0)
+    return optimizer
+
+
+def dense_model(dtype=None):
+    return lambda: keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, dtype=dtype), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize(
+    "policy, layer_dtype, expected",
+    [
+        ("float32", None, "none"),
+        ("mixed_bfloat16", None, "none"),
+        ("mixed_float16", None, "adaptive"),
+        ("float32", "mixed_float16", "adaptive"),  # one float16 layer is enough
+        ("float32", "float16", "adaptive"),
+    ],
+)
+def test_default_scaling_follows_what_the_model_computes_in(policy, layer_dtype, expected):
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
-    assert opt.mode == "adaptive" and float(opt.loss_scale) == 2.0**15
-    assert tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="dynamic").mode == "dynamic"
+    assert opt.scaling is None  # resolved at the first step
+    keras.mixed_precision.set_global_policy(policy)  # after the optimizer
+    fit_one_step(dense_model(layer_dtype), opt)
+    assert opt.scaling == expected and opt.get_config()["scaling"] == expected
+    if expected == "none":
+        assert float(opt.loss_scale) == 1.0
+
+
+def test_explicit_scaling_is_kept():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="dynamic")
+    assert opt.scaling == "dynamic"
+    assert fit_one_step(dense_model(), opt).scaling == "dynamic"
 
 
 def known_gradient(scale):

@@ -160,7 +160,7 @@ def test_scaling_disabled_where_not_needed(policy):
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), update_every=1)
     model.compile(opt, "mse", jit_compile=True)
     hist = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
-    assert opt.mode == "none" and float(opt.loss_scale) == 1.0
+    assert opt.scaling == "none" and float(opt.loss_scale) == 1.0
     assert hist.history["loss"][-1] < hist.history["loss"][0]
     assert int(opt.skipped_steps) == 0 and int(opt.iterations) == 12
     assert float(opt.gradient_norm) > 0 and float(opt.gradient_max) > 0

@@ -29,7 +29,11 @@ Statistics columns, per unit (row), all zero on steps that do not measure:
   model's inputs excepted;
 - `PRODUCED_NON_FINITE`: its backward produced a non-finite input gradient;
 - `CONVERSION_OVERFLOW`: converting a finite gradient to its scale overflowed;
-- `RECEIVED_NON_FINITE`: its output gradient was non-finite.
+- `RECEIVED_NON_FINITE`: its output gradient was non-finite;
+- `WIDE_OUTPUT_MAX`: like `OUTPUT_MAX`, over its float32 (or wider) output
+  gradients, which need no scale themselves: the only evidence for a float32
+  unit (a model's float32 head, say) whose float16 input gradients, cast in
+  its own backward, all overflowed.
 """
 
 import contextlib
@@ -37,18 +41,23 @@ import math
 import threading
 
 import keras
+import ml_dtypes
 import numpy as np
 from keras import ops
 
 from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import validation
 
 OUTPUT_MAX = stats.NUM_BINS
 INPUT_MAX = OUTPUT_MAX + 1
 PRODUCED_NON_FINITE = INPUT_MAX + 1
 CONVERSION_OVERFLOW = PRODUCED_NON_FINITE + 1
 RECEIVED_NON_FINITE = CONVERSION_OVERFLOW + 1
-NUM_COLUMNS = RECEIVED_NON_FINITE + 1
+WIDE_OUTPUT_MAX = RECEIVED_NON_FINITE + 1
+NUM_COLUMNS = WIDE_OUTPUT_MAX + 1
+
+NO_CAP = 127.0
 
 # Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
 LOSS_UNIT = 0
@@ -134,7 +143,7 @@ class ScaleTable(keras.layers.Layer):
         kwargs.setdefault("dtype", "float32")
         super().__init__(autocast=False, **kwargs)
         self.unit_names = list(unit_names)
-        self.initial_scale = float(initial_scale)
+        self.initial_scale = validation.power_of_two("initial_scale", initial_scale)
         units = len(self.unit_names)
         initial = [0.0] + [math.log2(initial_scale)] * (units - 1)
         self.log2_scales = self.add_weight(
@@ -143,10 +152,12 @@ class ScaleTable(keras.layers.Layer):
             trainable=False,
             name="log2_scales",
         )
-        # The cap on each unit's scale, lowered where it overflowed.
+        # The cap on each unit's scale, lowered where it overflowed; 127
+        # (float32's largest exponent) is no cap, kept finite for tools that
+        # check every model variable is.
         self.log2_ceilings = self.add_weight(
             shape=(units,),
-            initializer=keras.initializers.Constant(np.inf),
+            initializer=keras.initializers.Constant(NO_CAP),
             trainable=False,
             name="log2_ceilings",
         )
@@ -292,11 +303,13 @@ def _statistics(dy, control, units, producer, consumer, input_dtype):
     # copy of dy out of the branch would cost every step.
     histogram, unscaled_peak = stats.exponent_histogram([dy], control[consumer])
     produced_bad = ~ops.all(ops.isfinite(dy))
-    dtype_max = float(np.finfo(keras.backend.standardize_dtype(input_dtype)).max)
+    dtype_max = float(ml_dtypes.finfo(keras.backend.standardize_dtype(input_dtype)).max)
     converted_bad = unscaled_peak * stats.pow2(control[producer]) > dtype_max
+    wide_peak = ops.zeros((), "float32")
     if keras.backend.standardize_dtype(input_dtype) != "float16":
-        # Only float16 tensors have a range to fit the scale to.
-        unscaled_peak = ops.zeros((), "float32")
+        # Only float16 tensors have a range to fit the scale to; a wider one's
+        # peak is kept apart, for a unit that sees nothing else.
+        wide_peak, unscaled_peak = unscaled_peak, ops.zeros((), "float32")
         histogram = ops.zeros((stats.NUM_BINS,), "float32")
     producer_row = ops.concatenate(
         [
@@ -308,6 +321,7 @@ def _statistics(dy, control, units, producer, consumer, input_dtype):
                     0.0,
                     ops.cast(ops.logical_and(converted_bad, ~produced_bad), "float32"),
                     ops.cast(ops.logical_or(converted_bad, produced_bad), "float32"),
+                    wide_peak,
                 ]
             ),
         ]
@@ -316,7 +330,7 @@ def _statistics(dy, control, units, producer, consumer, input_dtype):
         [
             histogram,  # the consumer's backward produced these values
             ops.stack(
-                [0.0, unscaled_peak, ops.cast(produced_bad, "float32"), 0.0, 0.0]
+                [0.0, unscaled_peak, ops.cast(produced_bad, "float32"), 0.0, 0.0, 0.0]
             ),
         ]
     )

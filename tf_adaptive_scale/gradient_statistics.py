@@ -15,9 +15,9 @@ from keras import ops
 
 # Exponent bins: bin `i` counts values with floor(log2|g|) == i + EXPONENT_MIN;
 # values outside the range land in the first or last bin. The range covers
-# unscaled gradients from 2**-64 (below any float16 subnormal at scale 2**40)
-# up to 2**63.
-EXPONENT_MIN = -64
+# unscaled gradients from 2**-88 (float16's smallest subnormal at a per-layer
+# scale of 2**64) up to 2**39.
+EXPONENT_MIN = -88
 NUM_BINS = 128
 
 FLOAT16_MAX = 65504.0
@@ -104,21 +104,35 @@ def mass_histogram(histogram):
     return histogram * pow2(2.0 * ops.minimum(exponents - top, 0.0))
 
 
-def underflow_fraction(histogram, log2_scale):
-    """Fraction of counted values below 2**-24 once multiplied by a scale.
+def zero_count(tensors):
+    """The number of exact zeros in `tensors`, as a float32 scalar.
+
+    A float16 value lost to underflow is an exact zero afterwards, which the
+    exponent histogram cannot count; this can.
+    """
+    return sum(
+        ops.sum(ops.cast(ops.equal(t, 0), "float32")) for t in tensors
+    )
+
+
+def underflow_fraction(histogram, log2_scale, zeros=0.0):
+    """Fraction of values below 2**-24 once multiplied by a scale.
 
     Args:
         histogram: Exponent histogram(s) of unscaled values, shape
             `(..., NUM_BINS)`.
         log2_scale: Integer-valued exponent(s) of the scale, shape `(...)`.
+        zeros: Exact zeros among the values (see `zero_count`), counted as
+            underflowed: float16 cannot tell a value lost to underflow from
+            a true zero, and hiding them would hide the loss.
 
     Returns:
-        The fraction of nonzero values that underflow float16, shape `(...)`
-        (0 where the histogram is empty).
+        The fraction of the values that underflow float16, shape `(...)`
+        (0 where there are none).
     """
     below = _count_below(histogram, FLOAT16_SUBNORMAL_EXPONENT - log2_scale)
-    total = ops.sum(histogram, axis=-1)
-    return ops.where(total > 0, below / ops.maximum(total, 1.0), 0.0)
+    total = ops.sum(histogram, axis=-1) + zeros
+    return ops.where(total > 0, (below + zeros) / ops.maximum(total, 1.0), 0.0)
 
 
 def scale_bounds(histogram, max_abs, underflow_rate):
@@ -173,29 +187,6 @@ def adaptive_log2_scale(histogram, max_abs, underflow_rate, log2_headroom):
     return log2_scale, low, high
 
 
-def bounded_log2_scale(
-    log2_scale, log2_current, log2_ceiling, log2_min, log2_max, max_rise=None
-):
-    """Bounds a proposed scale exponent as the optimizer's settings require.
-
-    Args:
-        log2_scale: Proposed exponent(s).
-        log2_current: Exponent(s) of the scale now in use.
-        log2_ceiling: Cap(s), lowered after overflows.
-        log2_min: Exponent of `min_scale`.
-        log2_max: Exponent of `max_scale`.
-        max_rise: Optional most binades a scale may rise in one update.
-
-    Returns:
-        The exponent(s) within `[log2_min, min(log2_max, log2_ceiling)]`,
-        at most `max_rise` above `log2_current`.
-    """
-    bounded = ops.minimum(ops.clip(log2_scale, log2_min, log2_max), log2_ceiling)
-    if max_rise is not None:
-        bounded = ops.minimum(bounded, log2_current + max_rise)
-    return bounded
-
-
 def _count_below(histogram, exponent):
     """Counts values whose binary exponent is below `exponent`."""
     edges = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
@@ -210,8 +201,8 @@ __all__ = [
     "pow2",
     "exponent_histogram",
     "mass_histogram",
+    "zero_count",
     "underflow_fraction",
     "scale_bounds",
     "adaptive_log2_scale",
-    "bounded_log2_scale",
 ]

@@ -2,10 +2,13 @@
 
 import keras
 
+from tf_adaptive_scale import validation
+
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
 from tf_adaptive_scale.gradient_scale import branch_on_measure
+from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
 
 def instrument(model, initial_scale=1.0):
@@ -42,6 +45,7 @@ def instrument(model, initial_scale=1.0):
     >>> fast.compile(tas.AdaptiveLossScaleOptimizer(
     ...     keras.optimizers.Adam(), scaling="per_layer"), loss="mse")
     """
+    initial_scale = validation.power_of_two("initial_scale", initial_scale)
     if not isinstance(model, keras.Model) or not _is_graph(model):
         raise TypeError(
             "`model` must be a built Sequential or Functional keras.Model: "
@@ -135,7 +139,9 @@ class InstrumentedModel(keras.Model):
         for unit, name in enumerate(self.scale_table.unit_names):
             if unit == LOSS_UNIT:
                 continue
-            for variable in self.get_layer(name).trainable_weights:
+            # Frozen weights too: unfrozen later, their gradients carry the
+            # unit's scale like any other.
+            for variable in self.get_layer(name).weights:
                 variable.gradient_scale_table = self.scale_table
                 variable.gradient_scale_unit = unit
 
@@ -150,7 +156,12 @@ class InstrumentedModel(keras.Model):
         )
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        if getattr(optimizer, "mode", None) != "per_layer":
+        if (
+            isinstance(optimizer, AdaptiveLossScaleOptimizer)
+            and optimizer.scaling is None
+        ):
+            optimizer._resolve("per_layer")
+        if getattr(optimizer, "scaling", None) != "per_layer":
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
                 "gradients: compile it with tas.AdaptiveLossScaleOptimizer(..., "

@@ -1,17 +1,13 @@
-"""The per-layer update rule and overflow attribution, on a `ScaleTable`'s
-statistics (see `gradient_scale`): pure functions of tensors, and
-`TableStep`, which applies them to one table's variables during an
-optimizer step."""
+"""The per-layer observation of one step, on a `ScaleTable`'s statistics (see
+`gradient_scale`): the adaptive rule per unit and overflow attribution, as
+pure functions of tensors, and `TableStep`, which gathers them into the
+`scale_policy.Observation` that `PerLayerScaling` turns into new scales."""
 
 from keras import ops
 
 from tf_adaptive_scale import gradient_scale as boundary
 from tf_adaptive_scale import gradient_statistics as stats
-
-# Binades a unit's scale rises when it saw no nonzero gradient at all.
-UNSEEN_STEP = 8.0
-# Binades a unit's scale falls when its own weight gradient overflowed.
-WEIGHT_OVERFLOW_STEP = 4.0
+from tf_adaptive_scale import scale_policy
 
 
 def per_unit_max(values, units, num_units):
@@ -31,33 +27,29 @@ def per_unit_max(values, units, num_units):
     return ops.maximum(peak, 0.0)
 
 
-def layer_log2_scales(
-    statistics, weight_max, log2_scales, log2_ceilings, underflow_rate,
-    log2_headroom, log2_min, log2_max, weigh=None, max_rise=None,
-):
-    """Each unit's new scale exponent by the adaptive rule.
+def layer_log2_scales(statistics, weight_max, underflow_rate, log2_headroom,
+                      weigh=None):
+    """Each unit's scale exponent by the adaptive rule, unbounded.
 
-    A unit's histogram covers its output gradients and the input gradients
-    its backward produced; its largest value is the largest of those and of
-    its weight gradients (all unscaled), since all are held at its scale.
+    A unit's histogram covers its float16 output gradients and the input
+    gradients its backward produced; its largest value is the largest of
+    those and of its weight gradients (all unscaled), since all are held at
+    its scale. A unit with none of those in view but float32 output
+    gradients keeps their peak `headroom` below float16's maximum.
 
     Args:
         statistics: `(units, NUM_COLUMNS)` statistics of one backward pass.
         weight_max: `(units,)` largest unscaled weight gradient per unit.
-        log2_scales: `(units,)` current exponents.
-        log2_ceilings: `(units,)` caps lowered by overflows.
         underflow_rate: Tolerated underflowing fraction.
         log2_headroom: Exponent of the headroom.
-        log2_min: Exponent of the smallest scale.
-        log2_max: Exponent of the largest scale.
         weigh: Optional `weigh(histogram)` giving the weights the underflow
             fraction is taken over (e.g. `gradient_statistics.mass_histogram`);
             by default the counts.
-        max_rise: Optional most binades a scale may rise.
 
     Returns:
-        `(units,)` float32 exponents; the loss unit stays at 0 and a unit
-        whose gradient was all zero rises by `UNSEEN_STEP` binades.
+        A tuple `(log2_scales, seen)`: `(units,)` float32 exponents, and
+        whether each unit saw a nonzero gradient (the exponent is
+        meaningless where it did not).
     """
     histogram = statistics[:, : stats.NUM_BINS]
     peak = ops.maximum(
@@ -70,15 +62,12 @@ def layer_log2_scales(
     chosen, _, _ = stats.adaptive_log2_scale(
         weights, peak, underflow_rate, log2_headroom
     )
-    # All-zero gradients may have underflowed entirely: raise the scale.
-    chosen = ops.where(
-        ops.sum(histogram, axis=-1) > 0, chosen, log2_scales + UNSEEN_STEP
-    )
-    return _keep_loss_unit(
-        stats.bounded_log2_scale(
-            chosen, log2_scales, log2_ceilings, log2_min, log2_max, max_rise
-        )
-    )
+    seen = ops.sum(histogram, axis=-1) > 0
+    # A unit with only float32 output gradients in view: fit their peak.
+    wide = statistics[:, boundary.WIDE_OUTPUT_MAX]
+    _, fits = stats.scale_bounds(histogram, wide, underflow_rate)
+    chosen = ops.where(seen, chosen, fits - log2_headroom)
+    return chosen, seen | (wide > 0)
 
 
 def overflow_origins(statistics, weight_non_finite):
@@ -87,7 +76,7 @@ def overflow_origins(statistics, weight_non_finite):
     A unit is an origin when converting a finite gradient to its scale
     overflowed, or when its own backward pass (input or weight gradients)
     produced non-finite values from a finite output gradient. Where no unit
-    can be blamed (e.g. the loss itself is not finite), all are.
+    can be blamed, all are.
 
     Args:
         statistics: `(units, NUM_COLUMNS)` statistics of the skipped step.
@@ -123,124 +112,126 @@ class TableStep:
             over replicas.
         members: `(position, unit)` pairs: where each of the table's weights
             sits in the step's gradient list, and its unit.
-        rule: `rule(statistics, weight_max, log2_scales, log2_ceilings)`, the
-            bounded adaptive rule (see `layer_log2_scales`).
-        log2_min: Exponent of the smallest scale.
-        log2_max: Exponent of the largest scale.
+        rule: `rule(statistics, weight_max)`, the adaptive rule (see
+            `layer_log2_scales`).
+        policy: The `scale_policy.PerLayerScaling` that sets the scales.
 
     Example:
 
-    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, -16.0, 24.0)
+    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, policy)
     """
 
-    def __init__(self, table, statistics, members, rule, log2_min, log2_max):
+    def __init__(self, table, statistics, members, rule, policy):
         self.table = table
         self.statistics = statistics
         self.positions = [p for p, _ in members]
         self.units = [u for _, u in members]
         self.rule = rule
-        self.log2_min = log2_min
-        self.flags = statistics[:, boundary.PRODUCED_NON_FINITE :]
+        self.policy = policy
+        self.flags = statistics[
+            :, boundary.PRODUCED_NON_FINITE : boundary.RECEIVED_NON_FINITE + 1
+        ]
         self.measured = table.measure > 0
-        # A unit whose gradient all underflowed rises UNSEEN_STEP binades per
-        # measurement; measure again at once until it sees values or its cap.
-        empty = ops.sum(statistics[:, : stats.NUM_BINS], axis=-1) == 0
-        below_cap = table.log2_scales < ops.minimum(table.log2_ceilings, log2_max)
-        self.rising = self.measured & ops.any(_keep_loss_unit(empty & below_cap, False))
 
-    def divisors(self):
-        """`{position: scale}` of every weight this table governs."""
-        scales = stats.pow2(ops.convert_to_tensor(self.table.log2_scales))
+    def log2_divisors(self):
+        """`{position: log2 scale}` of every weight this table governs."""
+        scales = ops.convert_to_tensor(self.table.log2_scales)
         return {p: scales[u] for p, u in zip(self.positions, self.units)}
 
     def backward_finite(self):
         """No boundary saw a non-finite gradient."""
         return ops.all(self.flags == 0)
 
-    def measured_scales(self, grads):
-        """The rule's exponents from this step (non-finite values ignored).
+    def observation(self, grads, finite, loss_finite):
+        """What this step saw, per unit (O(N) work only on measured steps).
 
         Args:
             grads: The step's unscaled gradients, by position.
+            finite: bool, the step's gradients were all finite.
+            loss_finite: bool, its loss was finite.
+
+        Returns:
+            A `scale_policy.Observation`.
         """
-        weight_max = self._per_unit_max(
-            lambda g: ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)), grads
+        units = len(self.table.unit_names)
+        none = ops.zeros((units,), "bool")
+
+        def measure():
+            weight_max = self._per_unit_max(
+                lambda g: ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)),
+                grads,
+            )
+            return self.rule(self.statistics, weight_max)
+
+        def locate():
+            return self._per_unit_max(
+                lambda g: ops.cast(~ops.all(ops.isfinite(g)), "float32"), grads
+            ) > 0
+
+        proposed, seen = ops.cond(
+            self.measured, measure,
+            lambda: (ops.zeros((units,), "float32"), none),
         )
-        return self.rule(
-            self.statistics, weight_max, self.table.log2_scales, self.table.log2_ceilings
+        weight_non_finite = ops.cond(
+            self.measured & ~finite, locate, lambda: none
         )
-
-    def update(self, grads):
-        """On a finite measured step: every unit takes the rule's scale."""
-        def assign():
-            self.table.log2_scales.assign(self.measured_scales(grads))
-
-        ops.cond(self.measured, assign, lambda: None)
-
-    def back_off(self, grads, allowed):
-        """On a skipped step: halve the units where the overflow started.
-
-        Only a measured step knows where that was: its origins are bounded by
-        the rule, then halved, and the units the overflow did not touch take
-        the rule's scale. A step that did not measure changes no scale; the
-        optimizer measures the next step, which finds the origin if the
-        overflow repeats.
-
-        Args:
-            grads: The step's unscaled gradients, by position.
-            allowed: bool scalar, False while hysteresis holds the back-off.
-        """
-        ops.cond(
-            self.measured, lambda: self._back_off(grads, allowed), lambda: None
-        )
-
-    def _back_off(self, grads, allowed):
-        current = ops.convert_to_tensor(self.table.log2_scales)
-        measured = self.measured_scales(grads)
-        weight_non_finite = self._per_unit_max(
-            lambda g: ops.cast(~ops.all(ops.isfinite(g)), "float32"), grads
-        ) > 0
         flagged = ops.any(self.flags > 0, axis=-1)
-        involved = weight_non_finite | flagged
-        back_off = overflow_origins(self.statistics, weight_non_finite) & allowed
-        bounded = ops.minimum(measured, current)
-        capped = ops.maximum(bounded - 1.0, self.log2_min)
-        # Where only a weight gradient sum overflowed, the rule saw finite
-        # activation gradients but not that sum: step further down, so that
-        # the next step fits, but cap one binade down only, for the rule to
-        # climb back.
-        lowered = ops.where(
-            weight_non_finite & ~flagged,
-            ops.maximum(bounded - WEIGHT_OVERFLOW_STEP, self.log2_min),
-            capped,
+        return scale_policy.Observation(
+            finite=finite,
+            loss_finite=loss_finite,
+            measured=self.measured,
+            proposed=_keep_loss_unit(proposed),
+            seen=_keep_loss_unit(seen, True),
+            origins=overflow_origins(self.statistics, weight_non_finite),
+            involved=weight_non_finite | flagged,
+            weight_only=weight_non_finite & ~flagged,
         )
-        self.table.log2_scales.assign(
-            ops.where(back_off, lowered, ops.where(involved, current, measured))
+
+    def advance(self, state, observation):
+        """Writes the policy's next scales and caps for this table.
+
+        Args:
+            state: The optimizer's `ScaleState` (its scalar fields).
+            observation: This table's `observation(...)`.
+
+        Returns:
+            The policy's next `ScaleState` (with this table's vectors).
+        """
+        state = state._replace(
+            log2_scale=ops.convert_to_tensor(self.table.log2_scales),
+            log2_ceiling=ops.convert_to_tensor(self.table.log2_ceilings),
         )
+        new = self.policy.next_state(state, observation)
+        self.table.log2_scales.assign(_keep_loss_unit(new.log2_scale))
         self.table.log2_ceilings.assign(
-            ops.where(back_off, capped, self.table.log2_ceilings)
+            _keep_loss_unit(new.log2_ceiling, boundary.NO_CAP)
         )
+        return new
 
     def _per_unit_max(self, reduce, grads):
         """`reduce` (a scalar per weight gradient), maxed within each unit."""
         values = ops.stack([reduce(grads[p]) for p in self.positions])
         return per_unit_max(values, self.units, len(self.table.unit_names))
 
-    def raise_ceilings(self, grow):
-        """Caps lowered by overflows rise one binade when `grow` is true."""
-        ceilings = self.table.log2_ceilings
-        ceilings.assign(ops.where(grow, ceilings + 1.0, ceilings))
-
-    def record(self, scheduled, scheduled_next):
+    def record(self, scheduled, scheduled_next, observation):
         """Keeps this step's statistics (skipped steps too: they show where
         the overflow was) and tells the boundaries whether to measure next.
 
         Args:
             scheduled: bool, the optimizer meant this step to measure.
             scheduled_next: bool, it means the next step to.
+            observation: This step's observation.
         """
         self.table.statistics.assign(self.statistics)
         # A table the optimizer has not driven before may not have measured.
         missed = scheduled & ~self.measured
-        measure_next = scheduled_next | missed | self.rising
+        # A unit whose gradient all underflowed rises UNSEEN_STEP binades per
+        # measurement: measure again at once until it sees values or its cap.
+        scales = ops.convert_to_tensor(self.table.log2_scales)
+        below_cap = scales < ops.minimum(
+            ops.convert_to_tensor(self.table.log2_ceilings), self.policy.log2_max
+        )
+        blind = ~observation.seen & below_cap
+        rising = self.measured & observation.finite & ops.any(_keep_loss_unit(blind, False))
+        measure_next = scheduled_next | missed | rising
         self.table.measure.assign(ops.cast(measure_next, "float32"))

@@ -10,32 +10,43 @@ from tf_adaptive_scale import clipping
 from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import layer_scaling
+from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale import tensorflow_graph
 from tf_adaptive_scale import validation
 
 SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
+# Default `max_scale`: global scales multiply the loss, which 2**24 keeps
+# well inside float32; per-layer scales reach gradients far below the loss,
+# down to the histogram's floor (2**-24 / 2**64 = 2**EXPONENT_MIN).
+GLOBAL_MAX_SCALE = 2.0**24
+PER_LAYER_MAX_SCALE = 2.0**(stats.FLOAT16_SUBNORMAL_EXPONENT - stats.EXPONENT_MIN)
+# A cap above every allowed scale: no cap.
+NO_CAP = 2.0**127
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
 class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     """A loss scale optimizer whose scale follows the gradients themselves.
 
-    Wraps a Keras optimizer. Each step it checks the gradients of all replicas
-    for non-finite values: a non-finite gradient anywhere skips the whole step
-    (no weight, slot or clipping history changes) and backs the scale off.
-    Otherwise it unscales the gradients, clips them, and applies them with the
-    inner optimizer.
+    Wraps a Keras optimizer. `scale_loss` multiplies the loss by the scale;
+    `apply` divides every gradient by that same scale (in float32), clips,
+    and checks what is about to be applied: a non-finite value anywhere, on
+    any replica, skips the whole step (no weight, slot or clipping history
+    changes). A step whose loss was not finite is bad data: it is skipped
+    without backing the scale off. Otherwise the inner optimizer applies it.
 
-    Scaling modes (`scaling`):
+    Each mode is a policy in `scale_policy`, a pure state transition:
 
     - `"adaptive"`: every `update_every` steps the optimizer takes a histogram
       of the binary exponents of the unscaled gradients (O(N), fused by XLA)
       and sets the largest power-of-two scale that keeps `headroom` below
       float16's maximum; where that would leave more than `underflow_rate` of
       the nonzero values below float16's smallest subnormal (2**-24), headroom
-      is given up as far as needed, never past overflow. An overflow skips the
-      step, halves the scale, caps later updates at the halved scale (the cap
-      doubles back after `dynamic_growth_steps` clean steps) and re-measures
-      on the next step.
+      is given up as far as needed, never past overflow. The first step is
+      measured: an overflow before any clean measurement drops the scale 39
+      binades, so any loss magnitude costs at most one skipped step. Later,
+      an overflow skips the step, halves the scale, caps it there and
+      measures the next step; each clean measurement lifts the cap a binade.
     - `"dynamic"`: Keras-compatible: the scale doubles after
       `dynamic_growth_steps` clean steps and halves after `hysteresis`
       consecutive overflows.
@@ -50,9 +61,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
       it started. `layer_scales()` returns them by layer name.
 
     Scales are always powers of two in `[min_scale, max_scale]`. Statistics
-    (`gradient_histogram`, `gradient_max`, `gradient_norm`,
-    `underflow_fraction`, `scale_window`) are measured every `update_every`
-    steps in every mode; other steps pay for none of them.
+    (`gradient_histogram`, `gradient_zeros`, `gradient_max`,
+    `gradient_norm`, `underflow_fraction`, `scale_window`) are measured every
+    `update_every` steps in every mode; other steps pay for none of them.
+    `underflow_fraction` counts exact zeros as underflowed: float16 cannot
+    tell a gradient lost to underflow from a true zero.
 
     Clipping acts on unscaled gradients, in this order: AGC, `clipvalue`,
     `clipnorm`, `global_clipnorm`, AutoClip. `clipped_steps` counts the steps
@@ -65,14 +78,21 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
         scaling: One of `"adaptive"`, `"dynamic"`, `"static"`, `"none"`,
-            `"per_layer"`.
-            Defaults to `None`: `"adaptive"` when the global dtype policy
-            computes in float16, `"none"` otherwise (bfloat16, float32).
-        initial_scale: Power of two, the scale before the first update.
-        dynamic_growth_steps: Clean steps before the scale (`"dynamic"`) or the
-            cap on the scale (`"adaptive"`) doubles.
-        min_scale: Power of two, the smallest scale.
-        max_scale: Power of two, the largest scale.
+            `"per_layer"`. Defaults to `None`: resolved at the first step
+            (or when an instrumented model is compiled) from what the model
+            computes: `"per_layer"` for an instrumented model, `"adaptive"`
+            where any gradient comes from a float16 computation (or, eagerly,
+            where the global dtype policy computes in float16), `"none"`
+            otherwise (bfloat16, float32). The resolved mode is saved.
+        initial_scale: Power of two, the scale before the first update
+            (unused per layer: `tas.instrument` sets the layers' first scale).
+        dynamic_growth_steps: Clean steps before a `"dynamic"` scale doubles.
+        min_scale: Power of two, the smallest scale. All scale arguments lie
+            in float32's normal range, 2**-126 to 2**127.
+        max_scale: Power of two, the largest scale. Defaults to 2**24 for a
+            global scale and to 2**64 per layer: a layer's gradients may sit
+            far below the loss's, and 2**64 is where the statistics' reach
+            ends (unscaled values down to 2**-88).
         hysteresis: Consecutive overflows before the scale backs off.
         update_every: Steps between two measurements of the statistics.
         underflow_rate: In (0, 1), the tolerated fraction of nonzero gradient
@@ -112,8 +132,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         scaling=None,
         initial_scale=2.0**15,
         dynamic_growth_steps=2000,
-        min_scale=2.0**-16,
-        max_scale=2.0**24,
+        min_scale=2.0**-32,
+        max_scale=None,
         hysteresis=1,
         update_every=100,
         underflow_rate=1e-3,
@@ -145,13 +165,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             validation.one_of("scaling", scaling, SCALING_MODES)
         initial_scale = validation.power_of_two("initial_scale", initial_scale)
         min_scale = validation.power_of_two("min_scale", min_scale)
-        max_scale = validation.power_of_two("max_scale", max_scale)
-        if not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                "Scales must satisfy `min_scale <= initial_scale <= max_scale`."
-                f" Received: min_scale={min_scale}, "
-                f"initial_scale={initial_scale}, max_scale={max_scale}"
-            )
+        if max_scale is not None:
+            max_scale = validation.power_of_two("max_scale", max_scale)
         dynamic_growth_steps = validation.positive_int(
             "dynamic_growth_steps", dynamic_growth_steps
         )
@@ -205,7 +220,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             name=name,
             **kwargs,
         )
-        self.scaling = scaling
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.hysteresis = hysteresis
@@ -222,27 +236,61 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.autoclip_per_variable = autoclip_per_variable
         self.agc_factor = agc_factor
         self.agc_eps = agc_eps
-        self.mode = scaling or (
-            "adaptive"
-            if keras.config.dtype_policy().compute_dtype == "float16"
-            else "none"
-        )
         # The scale exists before `build` so that `scale_loss` reads a
         # variable from the first trace on (no retrace once built).
-        self.dynamic_scale = self._state(
-            "dynamic_scale",
-            1.0 if self.mode in ("none", "per_layer") else initial_scale,
+        self.dynamic_scale = self._state("dynamic_scale", initial_scale)
+        # Non-finite losses seen by `scale_loss` since the last step, summed
+        # over replicas: such a step is bad data, not an overflow.
+        self.non_finite_losses = self._state(
+            "non_finite_losses", 0.0, aggregation="sum"
         )
-        self._gradients_unscaled = False
+        self.scaling = None
+        if scaling is not None:
+            self._resolve(scaling)
 
-    def _state(self, name, value, shape=(), dtype="float32"):
+    def _state(self, name, value, shape=(), dtype="float32",
+               aggregation="only_first_replica"):
         return self.add_variable(
             shape=shape,
             dtype=dtype,
             initializer=keras.initializers.Constant(value),
-            aggregation="only_first_replica",
+            aggregation=aggregation,
             name=name,
         )
+
+    def _resolve(self, scaling):
+        """Fixes the scaling mode and the policy that implements it."""
+        per_layer = scaling == "per_layer"
+        max_scale = self.max_scale or (
+            PER_LAYER_MAX_SCALE if per_layer else GLOBAL_MAX_SCALE
+        )
+        if self.min_scale > max_scale:
+            raise ValueError(
+                "`min_scale` must be <= `max_scale`. Received: "
+                f"min_scale={self.min_scale}, max_scale={max_scale}"
+            )
+        if scaling in ("static", "dynamic", "adaptive") and not (
+            self.min_scale <= self.initial_scale <= max_scale
+        ):
+            raise ValueError(
+                "Scales must satisfy `min_scale <= initial_scale <= max_scale`."
+                f" Received: min_scale={self.min_scale}, "
+                f"initial_scale={self.initial_scale}, max_scale={max_scale}"
+            )
+        self.scaling = scaling
+        self._policy = scale_policy.make_policy(
+            scaling,
+            self.update_every,
+            self.dynamic_growth_steps,
+            self.hysteresis,
+            math.log2(self.min_scale),
+            math.log2(max_scale),
+            self.max_scale_rise,
+        )
+        if scaling in ("none", "per_layer"):
+            # Outside any trace: the scale is 1 from the next step on.
+            with tensorflow_graph.init_scope():
+                self.dynamic_scale.assign(1.0)
 
     def build(self, var_list):
         """Creates the optimizer's state for `var_list`.
@@ -252,18 +300,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         self.step_counter = self._state("step_counter", 0, dtype="int32")
         self.overflow_streak = self._state("overflow_streak", 0, dtype="int32")
-        self.scale_ceiling = self._state("scale_ceiling", self.max_scale)
+        self.scale_ceiling = self._state("scale_ceiling", NO_CAP)
+        self.steps_to_measure = self._state("steps_to_measure", 0, dtype="int32")
+        self.calibrated = self._state("calibrated", False, dtype="bool")
         self.total_steps = self._state("total_steps", 0, dtype="int64")
         self.skipped_steps = self._state("skipped_steps", 0, dtype="int64")
         self.last_step_finite = self._state(
             "last_step_finite", True, dtype="bool"
         )
-        self.steps_since_update = self._state(
-            "steps_since_update", 0, dtype="int32"
-        )
         self.gradient_histogram = self._state(
             "gradient_histogram", 0.0, shape=(stats.NUM_BINS,)
         )
+        self.gradient_zeros = self._state("gradient_zeros", 0.0)
         self.gradient_max = self._state("gradient_max", 0.0)
         self.underflow_fraction = self._state("underflow_fraction", 0.0)
         self.scale_window = self._state("scale_window", 0.0, shape=(2,))
@@ -290,17 +338,23 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         return self.dynamic_scale
 
     def scale_loss(self, loss):
-        """Multiplies `loss` by the current scale.
+        """Multiplies `loss` by the current scale, noting whether it is finite.
+
+        The next `apply` divides the gradients by this same scale (1 where
+        scaling is `"none"` or `"per_layer"`), and treats a non-finite loss as
+        bad data: that step is skipped without backing the scale off.
 
         Args:
             loss: The loss tensor.
 
         Returns:
-            The scaled loss (the loss itself when scaling is `"none"`).
+            The scaled loss.
         """
-        if self.mode in ("none", "per_layer"):
-            return loss
-        return loss * ops.cast(self.dynamic_scale, loss.dtype)
+        self.non_finite_losses.assign_add(
+            ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
+        )
+        scaled = ops.cast(loss, "float32") * self.dynamic_scale
+        return ops.cast(scaled, loss.dtype)
 
     def get_scaled_loss(self, loss):
         """Legacy tf-keras name of `scale_loss`."""
@@ -309,8 +363,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads):
         """Legacy tf-keras API: divides `grads` by the current scale.
 
-        The next `apply`/`apply_gradients` then takes its gradients as already
-        unscaled, as tf-keras did.
+        Pure: passing its results (or tensors computed from them, such as
+        clipped ones) to `apply`/`apply_gradients` in the same traced
+        function applies them as they are, as tf-keras did; any other
+        gradients are unscaled by `apply` itself. Eagerly, only its very
+        results are recognised.
 
         Args:
             grads: A list of gradients of the scaled loss (entries may be None).
@@ -318,16 +375,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Returns:
             The list of unscaled gradients.
         """
-        if self.mode == "per_layer":
+        if self.scaling == "per_layer":
             raise ValueError(
                 "get_unscaled_gradients() knows no per-layer scales: with "
                 "scaling='per_layer', pass the gradients to apply() as they are."
             )
-        self._gradients_unscaled = True
-        return [
-            None if g is None else g / ops.cast(self.dynamic_scale, g.dtype)
-            for g in grads
-        ]
+        reciprocal = stats.pow2(-ops.log2(self.dynamic_scale))
+        return tensorflow_graph.mark_unscaled(
+            [None if g is None else _times(g, reciprocal) for g in grads]
+        )
 
     def apply(self, grads, trainable_variables=None):
         """Checks, unscales, clips and applies `grads`, or skips the step.
@@ -350,30 +406,54 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 self.build(list(trainable_variables))
         pairs, tables = self._split_scale_tables(pairs)
         grads, variables = (list(x) for x in zip(*pairs))
-        scaled = not self._gradients_unscaled
-        self._gradients_unscaled = False
+        if self.scaling is None:
+            self._resolve(self._default_scaling(grads, tables))
+        unscaled = self._already_unscaled(grads)
         distribution.run_step(
-            lambda g, apply_fn: self._step(g, variables, apply_fn, scaled, tables),
+            lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
             self.inner_optimizer.apply,
             grads + [g for g, _ in tables],
             variables,
         )
 
+    def _default_scaling(self, grads, tables):
+        """`scaling=None`: per layer for an instrumented model; else adaptive
+        where the model computes in float16, found from its gradients or, when
+        they cannot tell (eagerly), from the global dtype policy."""
+        if tables:
+            return "per_layer"
+        if tensorflow_graph.computes_in_float16(grads):
+            return "adaptive"
+        if keras.config.dtype_policy().compute_dtype == "float16":
+            return "adaptive"
+        return "none"
+
+    def _already_unscaled(self, grads):
+        """Whether `grads` came from `get_unscaled_gradients` (all or none)."""
+        marks = tensorflow_graph.unscaled_marks(grads)
+        if any(marks) and not all(marks):
+            raise ValueError(
+                "Some gradients passed to apply() come from "
+                "get_unscaled_gradients() and some do not: pass all the "
+                "gradients of a step through it, or none."
+            )
+        return all(marks)
+
     def _split_scale_tables(self, pairs):
         """Separates the statistics of instrumented models' ScaleTables."""
         tables = [p for p in pairs if hasattr(p[1], "scale_table")]
         rest = [p for p in pairs if not hasattr(p[1], "scale_table")]
-        if self.mode == "per_layer" and not tables:
+        if self.scaling == "per_layer" and not tables:
             raise ValueError(
                 "scaling='per_layer' needs the gradients of a model made by "
                 "tas.instrument(model), including its `statistics` variable "
                 "(pass all of model.trainable_variables)."
             )
-        if self.mode != "per_layer" and tables:
+        if self.scaling not in (None, "per_layer") and tables:
             raise ValueError(
                 "These gradients come from an instrumented model (per-layer "
                 "scales): use AdaptiveLossScaleOptimizer(..., "
-                f"scaling='per_layer'), not scaling={self.mode!r}."
+                f"scaling='per_layer'), not scaling={self.scaling!r}."
             )
         self._scale_tables = [v.scale_table for _, v in tables]
         return rest, [(g, v.scale_table) for g, v in tables]
@@ -389,7 +469,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             scales.update(table.scales())
         return scales
 
-    def _step(self, grads, variables, apply_fn, scaled, tables):
+    def _scale_state(self):
+        return scale_policy.ScaleState(
+            log2_scale=ops.round(ops.log2(self.dynamic_scale)),
+            log2_ceiling=ops.round(ops.log2(self.scale_ceiling)),
+            growth_count=ops.convert_to_tensor(self.step_counter),
+            overflow_streak=ops.convert_to_tensor(self.overflow_streak),
+            steps_to_measure=ops.convert_to_tensor(self.steps_to_measure),
+            calibrated=ops.convert_to_tensor(self.calibrated),
+        )
+
+    def _step(self, grads, variables, apply_fn, already_unscaled, tables):
         """One step on the (replica-summed) gradients."""
         grads, table_grads = grads[: len(variables)], grads[len(variables) :]
         regular = [
@@ -397,51 +487,96 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             for i, v in enumerate(variables)
             if not self._overwrite_variable_with_gradient(v)
         ]
-        scale = ops.convert_to_tensor(self.dynamic_scale)
-        scheduled = ops.equal(self.steps_since_update, 0)
-        finite = self.check_finite(grads)
+        state = self._scale_state()
+        loss_finite = ops.equal(self.non_finite_losses, 0.0)
+        scheduled = ops.equal(state.steps_to_measure, 0)
         steps = [
             self._table_step(table, statistics, variables, regular)
             for (_, table), statistics in zip(tables, table_grads)
         ]
-        if self.mode == "per_layer":
-            # Weights outside every instrumented block carry no scale.
-            divisors = {i: ops.ones((), "float32") for i in regular}
-            for step in steps:
-                divisors.update(step.divisors())
-                finite = ops.logical_and(finite, step.backward_finite())
-        else:
-            divisors = {i: scale for i in regular}
-        unscaled = [
-            g / ops.cast(divisors[i], g.dtype) if i in divisors and scaled else g
-            for i, g in enumerate(grads)
-        ]
+        # Every gradient is divided by the scale `scale_loss` applied and, in
+        # an instrumented model, by its layer's; in float32 (a float16 scale
+        # of 2**16 would be inf).
+        log2_divisors = {i: state.log2_scale for i in regular}
+        for step in steps:
+            for i, log2_unit in step.log2_divisors().items():
+                log2_divisors[i] = log2_divisors[i] + log2_unit
+        unscaled = list(grads)
+        if not already_unscaled:
+            for i, log2_divisor in log2_divisors.items():
+                unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+        regular_grads = [unscaled[i] for i in regular]
+        clipped, commit_clipping = self._clip(
+            regular_grads, [variables[i] for i in regular]
+        )
+        applied = list(unscaled)
+        for i, g in zip(regular, clipped):
+            applied[i] = g
+        # What reaches the weights is what is checked.
+        finite = _all_finite([applied[i] for i in regular])
+        for step in steps:
+            finite = ops.logical_and(finite, step.backward_finite())
+        measure = ops.logical_and(scheduled, finite)
 
         def on_finite():
-            regular_grads = [unscaled[i] for i in regular]
             ops.cond(
-                scheduled, lambda: self._measure(regular_grads, scale), lambda: None
+                scheduled, lambda: self._measure(regular_grads), lambda: None
             )
-            for step in steps:
-                step.update(unscaled)
-            clipped = self._clip(regular_grads, [variables[i] for i in regular])
-            applied = list(unscaled)
-            for i, g in zip(regular, clipped):
-                applied[i] = g
             apply_fn(applied)
-            self._after_finite_step(steps)
+            commit_clipping()
 
         def on_non_finite():
-            self._after_non_finite_step(steps)
-            allowed = ops.equal(self.overflow_streak, 0)  # hysteresis reached
-            for step in steps:
-                step.back_off(unscaled, allowed)
+            self.skipped_steps.assign_add(1)
 
         ops.cond(finite, on_finite, on_non_finite)
+        if steps:
+            for step in steps:
+                observation = step.observation(unscaled, finite, loss_finite)
+                new = step.advance(state, observation)
+                step.record(
+                    scheduled, ops.equal(new.steps_to_measure, 0), observation
+                )
+            # The global scale stays 1: each table holds the scales.
+            new = new._replace(
+                log2_scale=ops.zeros_like(state.log2_scale),
+                log2_ceiling=state.log2_ceiling,
+            )
+        else:
+            proposed, seen = self._proposal()
+            new = self._policy.next_state(
+                state,
+                scale_policy.Observation(
+                    finite=finite,
+                    loss_finite=loss_finite,
+                    measured=measure,
+                    proposed=proposed,
+                    seen=seen,
+                ),
+            )
+        self._write_state(new, measure)
+        self.non_finite_losses.assign(0.0)
         self.total_steps.assign_add(1)
         self.last_step_finite.assign(finite)
-        for step in steps:
-            step.record(scheduled, ops.equal(self.steps_since_update, 0))
+
+    def _write_state(self, state, measured):
+        self.dynamic_scale.assign(stats.pow2(state.log2_scale))
+        self.scale_ceiling.assign(stats.pow2(state.log2_ceiling))
+        self.step_counter.assign(state.growth_count)
+        self.overflow_streak.assign(state.overflow_streak)
+        self.steps_to_measure.assign(state.steps_to_measure)
+        self.calibrated.assign(state.calibrated)
+        # Reported at the scale the next steps use.
+        self.underflow_fraction.assign(
+            ops.where(
+                measured,
+                stats.underflow_fraction(
+                    self._criterion_weights(self.gradient_histogram),
+                    state.log2_scale,
+                    zeros=self.gradient_zeros,
+                ),
+                self.underflow_fraction,
+            )
+        )
 
     def _table_step(self, table, statistics, variables, regular):
         members = [
@@ -449,48 +584,34 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             for i in regular
             if getattr(variables[i], "gradient_scale_table", None) is table
         ]
-        log2_min, log2_max = math.log2(self.min_scale), math.log2(self.max_scale)
         rule = functools.partial(
             layer_scaling.layer_log2_scales,
             underflow_rate=self.underflow_rate,
             log2_headroom=math.log2(self.headroom),
-            log2_min=log2_min,
-            log2_max=log2_max,
             weigh=self._criterion_weights,
-            max_rise=self.max_scale_rise,
         )
         return layer_scaling.TableStep(
-            table, statistics, members, rule, log2_min, log2_max
+            table, statistics, members, rule, self._policy
         )
 
-    def _measure(self, unscaled, scale):
-        """Records the statistics and, in adaptive mode, sets the scale."""
+    def _measure(self, unscaled):
+        """Records the statistics of a finite step's unscaled gradients."""
         histogram, max_abs = stats.exponent_histogram(unscaled)
-        weights = self._criterion_weights(histogram)
-        log2_scale, low, high = stats.adaptive_log2_scale(
-            weights, max_abs, self.underflow_rate, math.log2(self.headroom)
-        )
-        if self.mode == "adaptive":
-            log2_scale = stats.bounded_log2_scale(
-                log2_scale,
-                ops.round(ops.log2(scale)),
-                ops.log2(self.scale_ceiling),
-                math.log2(self.min_scale),
-                math.log2(self.max_scale),
-                self.max_scale_rise,
-            )
-            # Nothing nonzero to measure: keep the scale.
-            scale = ops.where(
-                ops.sum(histogram) > 0, stats.pow2(log2_scale), scale
-            )
-            self.dynamic_scale.assign(scale)
         self.gradient_histogram.assign(histogram)
+        self.gradient_zeros.assign(stats.zero_count(unscaled))
         self.gradient_max.assign(max_abs)
         self.gradient_norm.assign(clipping.global_norm(unscaled))
-        self.scale_window.assign(ops.stack([low, high]))
-        self.underflow_fraction.assign(
-            stats.underflow_fraction(weights, ops.round(ops.log2(scale)))
+
+    def _proposal(self):
+        """The adaptive rule's exponent from the last measurement."""
+        log2_scale, low, high = stats.adaptive_log2_scale(
+            self._criterion_weights(self.gradient_histogram),
+            self.gradient_max,
+            self.underflow_rate,
+            math.log2(self.headroom),
         )
+        self.scale_window.assign(ops.stack([low, high]))
+        return log2_scale, ops.sum(self.gradient_histogram) > 0
 
     def _criterion_weights(self, histogram):
         if self.underflow_criterion == "mass":
@@ -498,8 +619,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         return histogram
 
     def _clip(self, grads, variables):
-        """Clips unscaled gradients; counts the steps where clipping acted."""
-        acted = []
+        """Clips unscaled gradients.
+
+        Returns:
+            The clipped gradients and a function that records, on a step
+            that is applied, that clipping acted and AutoClip's new norm.
+        """
+        acted, commits = [], []
         if self.agc_factor is not None:
             grads, a = clipping.adaptive_grad_clip(
                 grads, variables, self.agc_factor, self.agc_eps
@@ -515,13 +641,19 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             grads, a = clipping.clip_by_global_norm(grads, self.global_clip_norm)
             acted.append(a)
         if self.autoclip_percentile is not None:
-            grads, a = self._autoclip(grads, variables)
+            grads, a, commit = self._autoclip(grads, variables)
             acted.append(a)
-        if acted:
-            self.clipped_steps.assign_add(
-                ops.cast(ops.any(ops.stack(acted)), "int64")
-            )
-        return grads
+            commits.append(commit)
+
+        def commit():
+            for c in commits:
+                c()
+            if acted:
+                self.clipped_steps.assign_add(
+                    ops.cast(ops.any(ops.stack(acted)), "int64")
+                )
+
+        return grads, commit
 
     def _autoclip(self, grads, variables):
         count = self.norm_history_count
@@ -537,60 +669,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             history, count + 1, self.autoclip_percentile
         )
         if self.autoclip_per_variable:
-            self.norm_history.assign(
-                ops.scatter_update(
-                    self.norm_history, [[r] for r in rows], history
-                )
-            )
             grads, acted = clipping.clip_by_norm(grads, threshold)
-        else:
-            self.norm_history.assign(history)
-            grads, acted = clipping.clip_by_global_norm(grads, threshold)
-        self.norm_history_count.assign_add(1)
-        return grads, acted
-
-    def _after_finite_step(self, table_steps):
-        self.overflow_streak.assign(0)
-        self.steps_since_update.assign(
-            ops.mod(self.steps_since_update + 1, self.update_every)
-        )
-        if self.mode not in ("dynamic", "adaptive", "per_layer"):
-            return
-        grow = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
-        self.step_counter.assign(ops.where(grow, 0, self.step_counter + 1))
-        if self.mode == "per_layer":
-            for step in table_steps:
-                step.raise_ceilings(grow)
-            return
-        # Dynamic mode grows the scale; adaptive mode the cap on its updates.
-        grown = (
-            self.dynamic_scale if self.mode == "dynamic" else self.scale_ceiling
-        )
-        grown.assign(
-            ops.where(grow, ops.minimum(grown * 2.0, self.max_scale), grown)
-        )
-
-    def _after_non_finite_step(self, table_steps):
-        self.skipped_steps.assign_add(1)
-        if self.mode not in ("dynamic", "adaptive", "per_layer"):
-            return
-        streak = self.overflow_streak + 1
-        back_off = streak >= self.hysteresis
-        self.overflow_streak.assign(ops.where(back_off, 0, streak))
-        self.step_counter.assign(0)
-        self.steps_since_update.assign(0)  # measure again on the next step
-        if self.mode == "per_layer":
-            return  # each table backs off where the overflow started
-        scale = ops.where(
-            back_off,
-            ops.maximum(self.dynamic_scale * 0.5, self.min_scale),
-            self.dynamic_scale,
-        )
-        self.dynamic_scale.assign(scale)
-        if self.mode == "adaptive":
-            self.scale_ceiling.assign(
-                ops.where(back_off, scale, self.scale_ceiling)
+            history = ops.scatter_update(
+                self.norm_history, [[r] for r in rows], history
             )
+        else:
+            grads, acted = clipping.clip_by_global_norm(grads, threshold)
+
+        def commit():
+            self.norm_history.assign(history)
+            self.norm_history_count.assign_add(1)
+
+        return grads, acted, commit
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -606,6 +696,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         config = super().get_config()
         config.update(
             {
+                # The resolved mode: a reloaded optimizer scales as this one.
                 "scaling": self.scaling,
                 "min_scale": self.min_scale,
                 "max_scale": self.max_scale,
@@ -626,3 +717,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             }
         )
         return config
+
+
+def _times(g, factor):
+    """`g * factor` computed in float32, returned in `g`'s dtype."""
+    return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
+
+
+def _all_finite(grads):
+    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))

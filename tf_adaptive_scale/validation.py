@@ -28,10 +28,12 @@ def positive_float(name, value, allow_none=False):
 
 
 def power_of_two(name, value):
+    """A power of two within float32's normal range, 2**-126 to 2**127."""
     value = positive_float(name, value)
-    if math.frexp(value)[0] != 0.5:
+    if math.frexp(value)[0] != 0.5 or not 2.0**-126 <= value <= 2.0**127:
         raise ValueError(
-            f"`{name}` must be a power of two (e.g. 2**15). Received: {value}"
+            f"`{name}` must be a power of two from 2**-126 to 2**127 "
+            f"(e.g. 2**15). Received: {value}"
         )
     return value
 

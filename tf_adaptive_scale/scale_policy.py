@@ -1,0 +1,397 @@
+"""Loss-scale policies: one small object per scaling mode.
+
+A policy's `next_state(state, observation)` is a pure function of tensors:
+the optimizer gathers what one step saw into an `Observation`, asks its
+policy for the next `ScaleState` and only writes it to its variables. Scales
+are held as base-2 exponents, so every scale is an exact power of two.
+
+Shared rules:
+- A step whose loss is not finite is bad data, not an overflow: it is skipped
+  and nothing backs off (a burst of NaN batches leaves the scale as it was).
+- An overflow (finite loss, non-finite gradients) measures again on the next
+  step, so the scale is set from clean statistics as soon as there are some.
+- Statistics are taken every `update_every` steps (`steps_to_measure`
+  counts down to the next measured step).
+"""
+
+from typing import NamedTuple
+
+from keras import ops
+
+# Binades a scale rises when a measurement saw no nonzero gradient at all
+# (everything may have underflowed).
+UNSEEN_STEP = 8.0
+# Binades an uncalibrated scale drops on an overflow. float16 holds 40
+# binades (2**-24 to 2**16): a peak that just overflowed is still seen 39
+# binades lower, and anything up to 2**39 times larger no longer overflows,
+# so the next step measures it.
+CALIBRATION_DROP = 39.0
+
+
+class ScaleState(NamedTuple):
+    """A policy's state; every field is a tensor.
+
+    Attributes:
+        log2_scale: Exponent of the scale (a vector, one per unit, per layer).
+        log2_ceiling: Exponent(s) of the cap an overflow put on the scale.
+        growth_count: Clean steps since the scale last grew (dynamic mode).
+        overflow_streak: Consecutive overflows not yet backed off from.
+        steps_to_measure: Steps before the next measured step (0: this one).
+        calibrated: A clean measurement has set the scale (before that, the
+            initial scale is only a guess).
+    """
+
+    log2_scale: object
+    log2_ceiling: object
+    growth_count: object
+    overflow_streak: object
+    steps_to_measure: object
+    calibrated: object
+
+
+class Observation(NamedTuple):
+    """What one step saw.
+
+    Attributes:
+        finite: The gradients to apply were all finite (the step ran).
+        loss_finite: The loss was finite: a non-finite step is an overflow.
+        measured: Statistics were taken on this step.
+        proposed: The adaptive rule's exponent(s) from those statistics.
+        seen: The statistics held nonzero values (per unit, per layer).
+        origins: Per layer: the units where an overflow started.
+        involved: Per layer: the units a non-finite gradient reached.
+        weight_only: Per layer: units where only a weight-gradient sum
+            overflowed (its activation gradients were finite).
+    """
+
+    finite: object
+    loss_finite: object
+    measured: object
+    proposed: object = 0.0
+    seen: object = False
+    origins: object = True
+    involved: object = True
+    weight_only: object = False
+
+
+class Policy:
+    """Base policy: the scale never changes; only the schedule moves.
+
+    Args:
+        update_every: Steps between two measurements.
+    """
+
+    def __init__(self, update_every):
+        self.update_every = update_every
+
+    def next_state(self, state, observation):
+        """The state after a step.
+
+        Args:
+            state: The `ScaleState` the step ran with.
+            observation: The step's `Observation`.
+
+        Returns:
+            The next `ScaleState`.
+        """
+        return self._schedule(state, observation, self._overflowed(observation))
+
+    @staticmethod
+    def _overflowed(obs):
+        return ops.logical_and(ops.logical_not(obs.finite), obs.loss_finite)
+
+    def _schedule(self, state, obs, overflow, **changes):
+        """Counts down to the next measurement; an overflow measures next."""
+        took = ops.logical_and(obs.measured, obs.finite)
+        countdown = ops.where(
+            took,
+            self.update_every - 1,
+            ops.maximum(state.steps_to_measure - 1, 0),
+        )
+        streak = ops.where(obs.finite, 0, state.overflow_streak)
+        defaults = dict(
+            steps_to_measure=ops.where(overflow, 0, countdown),
+            overflow_streak=streak,
+        )
+        defaults.update(changes)
+        return state._replace(**defaults)
+
+    def _streak(self, state, obs, hysteresis):
+        """The overflow streak and whether it backs the scale off now."""
+        overflow = self._overflowed(obs)
+        streak = ops.where(
+            overflow,
+            state.overflow_streak + 1,
+            ops.where(obs.finite, 0, state.overflow_streak),
+        )
+        back_off = ops.logical_and(overflow, streak >= hysteresis)
+        return overflow, ops.where(back_off, 0, streak), back_off
+
+
+class NoScaling(Policy):
+    """Mode `"none"`: scale 1; non-finite steps are still skipped."""
+
+    def next_state(self, state, observation):
+        state = super().next_state(state, observation)
+        return state._replace(log2_scale=ops.zeros_like(state.log2_scale))
+
+
+class StaticScaling(Policy):
+    """Mode `"static"`: the scale stays at `initial_scale`."""
+
+
+class DynamicScaling(Policy):
+    """Mode `"dynamic"`: Keras's rule, bounded.
+
+    The scale doubles after `growth_steps` consecutive clean steps and halves
+    after `hysteresis` consecutive overflows, within `[log2_min, log2_max]`.
+
+    Args:
+        update_every: Steps between two measurements (statistics only).
+        growth_steps: Clean steps before the scale doubles.
+        hysteresis: Consecutive overflows before it halves.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+
+    Example:
+
+    >>> policy = DynamicScaling(100, 2000, 1, -16.0, 24.0)
+    """
+
+    def __init__(self, update_every, growth_steps, hysteresis, log2_min, log2_max):
+        super().__init__(update_every)
+        self.growth_steps = growth_steps
+        self.hysteresis = hysteresis
+        self.log2_min = log2_min
+        self.log2_max = log2_max
+
+    def next_state(self, state, obs):
+        overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
+        count = state.growth_count + 1
+        grow = ops.logical_and(obs.finite, count >= self.growth_steps)
+        count = ops.where(
+            obs.finite, ops.where(grow, 0, count),
+            ops.where(overflow, 0, state.growth_count),
+        )
+        scale = state.log2_scale
+        scale = ops.where(grow, ops.minimum(scale + 1.0, self.log2_max), scale)
+        scale = ops.where(back_off, ops.maximum(scale - 1.0, self.log2_min), scale)
+        return self._schedule(
+            state, obs, overflow,
+            log2_scale=scale, growth_count=count, overflow_streak=streak,
+        )
+
+
+def adaptive_update(
+    log2_scale, log2_ceiling, proposed, seen, log2_min, log2_max, max_rise=None
+):
+    """The scale and cap after a clean measurement (elementwise).
+
+    The scale takes the rule's exponent, within the bounds. An overflow's cap
+    holds it at most one binade below what the clean measurement allows, for
+    one measurement; each clean measurement lifts the cap one binade, so a
+    burst of overflows costs one binade, not the whole way down.
+    Where nothing nonzero was seen the scale stays and the cap with it.
+
+    Args:
+        log2_scale: Current exponent(s).
+        log2_ceiling: Current cap(s).
+        proposed: The rule's exponent(s).
+        seen: Whether the measurement saw nonzero values.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+        max_rise: Optional most binades a scale may rise in one update.
+
+    Returns:
+        A tuple `(log2_scale, log2_ceiling)`.
+    """
+    proposed = ops.clip(ops.convert_to_tensor(proposed, "float32"), log2_min, log2_max)
+    cap = ops.maximum(log2_ceiling, proposed - 1.0)
+    scale = ops.minimum(proposed, cap)
+    if max_rise is not None:
+        scale = ops.minimum(scale, log2_scale + max_rise)
+    ceiling = ops.minimum(cap + 1.0, log2_max)
+    return (
+        ops.where(seen, scale, log2_scale),
+        ops.where(seen, ceiling, log2_ceiling),
+    )
+
+
+class AdaptiveScaling(Policy):
+    """Mode `"adaptive"`: the scale follows measured gradient statistics.
+
+    On a clean measured step the scale takes the rule's exponent (see
+    `adaptive_update`). On an overflow, after `hysteresis` in a row, it halves
+    and is capped there, and the next step measures again. Before the first
+    clean measurement the initial scale is a guess: an overflow then drops it
+    `CALIBRATION_DROP` binades (down to the smallest scale), where the next,
+    measured step sees the gradient's peak, so finding a working scale costs
+    one skipped step whatever the loss's magnitude; a measurement that saw
+    only zeros raises the guess `UNSEEN_STEP` binades and measures again.
+
+    Args:
+        update_every: Steps between two measurements.
+        hysteresis: Consecutive overflows before the scale backs off.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+        max_rise: Optional most binades the scale may rise in one update.
+
+    Example:
+
+    >>> policy = AdaptiveScaling(100, 1, -16.0, 24.0)
+    """
+
+    def __init__(self, update_every, hysteresis, log2_min, log2_max, max_rise=None):
+        super().__init__(update_every)
+        self.hysteresis = hysteresis
+        self.log2_min = log2_min
+        self.log2_max = log2_max
+        self.max_rise = max_rise
+
+    def next_state(self, state, obs):
+        overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
+        clean = ops.logical_and(obs.finite, obs.measured)
+        scale, ceiling = adaptive_update(
+            state.log2_scale, state.log2_ceiling, obs.proposed,
+            ops.logical_and(clean, obs.seen),
+            self.log2_min, self.log2_max, self.max_rise,
+        )
+        # Before calibration, a measurement of nothing but zeros: look higher.
+        blind = ops.logical_and(
+            ops.logical_and(clean, ops.logical_not(obs.seen)),
+            ops.logical_not(state.calibrated),
+        )
+        scale = ops.where(
+            blind,
+            ops.minimum(scale + UNSEEN_STEP, ops.minimum(ceiling, self.log2_max)),
+            scale,
+        )
+        halved = ops.maximum(scale - 1.0, self.log2_min)
+        dropped = ops.maximum(scale - CALIBRATION_DROP, self.log2_min)
+        scale = ops.where(
+            back_off, ops.where(state.calibrated, halved, dropped), scale
+        )
+        ceiling = ops.where(
+            ops.logical_and(back_off, state.calibrated), halved, ceiling
+        )
+        state = self._schedule(
+            state, obs, ops.logical_or(overflow, blind),
+            log2_scale=scale, log2_ceiling=ceiling, overflow_streak=streak,
+        )
+        return state._replace(
+            calibrated=ops.logical_or(
+                state.calibrated, ops.logical_and(clean, obs.seen)
+            )
+        )
+
+
+class PerLayerScaling(AdaptiveScaling):
+    """Mode `"per_layer"`: the adaptive rule for every unit of a model.
+
+    `log2_scale` and `log2_ceiling` are vectors (one entry per unit); the
+    observation's `proposed`, `seen`, `origins`, `involved` and `weight_only`
+    too. A clean measured step sets every unit by `adaptive_update`; a unit
+    that saw only zeros rises `UNSEEN_STEP` binades up to its cap. On an
+    overflow only a measured step knows where it started: there, after
+    `hysteresis` overflows, the units where it started back off one binade
+    below the smaller of their scale and the rule's (`WEIGHT_OVERFLOW_STEP`
+    binades where only a weight-gradient sum overflowed, which the rule
+    cannot see), and are capped one binade down; units the overflow did not
+    reach take the rule's scale; the others keep theirs, except before the
+    first clean measurement (`calibrated`), when a loss far larger than
+    expected would overflow every unit in turn: then they drop below the
+    lowest unit that backed off, and the next, measured step sets them all.
+
+    Args:
+        update_every: Steps between two measurements.
+        hysteresis: Consecutive overflows before the scales back off.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+        max_rise: Optional most binades a scale may rise in one update.
+
+    Example:
+
+    >>> policy = PerLayerScaling(100, 1, -16.0, 64.0)
+    """
+
+    WEIGHT_OVERFLOW_STEP = 4.0
+
+    def next_state(self, state, obs):
+        overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
+        current, ceilings = state.log2_scale, state.log2_ceiling
+        clean = ops.logical_and(obs.finite, obs.measured)
+        proposed = ops.where(
+            obs.seen, obs.proposed, ops.minimum(current + UNSEEN_STEP, ceilings)
+        )
+        proposed = ops.clip(proposed, self.log2_min, self.log2_max)
+        if self.max_rise is not None:
+            proposed = ops.minimum(proposed, current + self.max_rise)
+        rose, lifted = adaptive_update(
+            current, ceilings, proposed, obs.seen,
+            self.log2_min, self.log2_max, self.max_rise,
+        )
+        rose = ops.where(obs.seen, rose, proposed)
+        # An overflow seen by a measured step: back off where it started.
+        located = ops.logical_and(overflow, obs.measured)
+        backs_off = ops.logical_and(obs.origins, back_off)
+        below = ops.minimum(proposed, current)
+        capped = ops.maximum(below - 1.0, self.log2_min)
+        lowered = ops.where(
+            obs.weight_only,
+            ops.maximum(below - self.WEIGHT_OVERFLOW_STEP, self.log2_min),
+            capped,
+        )
+        untouched = ops.minimum(proposed, ceilings)
+        # Before calibration: the units below drop with the lowest origin, and
+        # `UNSEEN_STEP` further for their weight-gradient sums (reductions
+        # over the batch), which the origins' statistics do not show.
+        lowest = ops.min(ops.where(backs_off, lowered, self.log2_max))
+        reached = ops.where(
+            state.calibrated,
+            current,
+            ops.minimum(current, ops.maximum(lowest - UNSEEN_STEP, self.log2_min)),
+        )
+        after_overflow = ops.where(
+            backs_off, lowered, ops.where(obs.involved, reached, untouched)
+        )
+        scale = ops.where(clean, rose, ops.where(located, after_overflow, current))
+        ceiling = ops.where(
+            clean, lifted,
+            ops.where(ops.logical_and(located, backs_off), capped, ceilings),
+        )
+        state = self._schedule(
+            state, obs, overflow,
+            log2_scale=scale, log2_ceiling=ceiling, overflow_streak=streak,
+        )
+        return state._replace(
+            calibrated=ops.logical_or(
+                state.calibrated, ops.logical_and(clean, ops.any(obs.seen))
+            )
+        )
+
+
+def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
+                log2_max, max_rise=None):
+    """The policy object for a scaling mode.
+
+    Args:
+        scaling: One of `"none"`, `"static"`, `"dynamic"`, `"adaptive"`,
+            `"per_layer"`.
+        update_every: Steps between two measurements.
+        growth_steps: Clean steps before a dynamic scale doubles.
+        hysteresis: Consecutive overflows before a scale backs off.
+        log2_min: Exponent of the smallest scale.
+        log2_max: Exponent of the largest scale.
+        max_rise: Optional most binades an adaptive scale rises per update.
+
+    Returns:
+        A `Policy`.
+    """
+    if scaling == "none":
+        return NoScaling(update_every)
+    if scaling == "static":
+        return StaticScaling(update_every)
+    if scaling == "dynamic":
+        return DynamicScaling(update_every, growth_steps, hysteresis, log2_min, log2_max)
+    adaptive = PerLayerScaling if scaling == "per_layer" else AdaptiveScaling
+    return adaptive(update_every, hysteresis, log2_min, log2_max, max_rise)

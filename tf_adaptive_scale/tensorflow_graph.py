@@ -1,0 +1,108 @@
+"""What the optimizer reads off TensorFlow graphs while a step is traced.
+
+TensorFlow-specific by nature: Keras has no backend-neutral view of how a
+tensor was computed. Two questions are answered here:
+
+- Did the model compute in float16? A float32 weight used by a float16
+  layer has a gradient made by a `Cast` from float16 (autocasting), which
+  the optimizer's default mode keys on.
+- Were these gradients unscaled already, by the legacy tf-keras
+  `get_unscaled_gradients`? Its outputs pass through an identity op named
+  `UNSCALED_OP_NAME`, so the mark lives in the graph itself and is seen by
+  whatever is derived from them (clipping, say) and by nothing else: no other
+  trace, no later step. Eagerly, the returned tensors themselves are
+  remembered (weakly); tensors derived from them eagerly are not recognised.
+"""
+
+import weakref
+
+import tensorflow as tf
+
+UNSCALED_OP_NAME = "tas_unscaled_gradient"
+# Ops a gradient passes through between a float16 computation and the
+# optimizer (sums of shared weights' gradients, identities, slices).
+_PASS_THROUGH = {"AddN", "AddV2", "Identity", "IdentityN", "Reshape"}
+_eager_unscaled = weakref.WeakValueDictionary()
+
+
+def computes_in_float16(grads):
+    """Whether any gradient comes from a float16 computation.
+
+    Args:
+        grads: Gradient tensors (dense; graph or eager).
+
+    Returns:
+        A Python bool (eager tensors are judged by their dtype alone).
+    """
+    return any(_from_float16(g, depth=4) for g in grads)
+
+
+def _from_float16(tensor, depth):
+    if tensor.dtype == tf.float16:
+        return True
+    if tf.executing_eagerly() or not hasattr(tensor, "op") or depth == 0:
+        return False
+    op = tensor.op
+    if op.type == "Cast":
+        return op.inputs[0].dtype == tf.float16
+    if op.type in _PASS_THROUGH:
+        return any(_from_float16(t, depth - 1) for t in op.inputs)
+    return False
+
+
+def mark_unscaled(tensors):
+    """Marks tensors as unscaled gradients; returns the marked tensors."""
+    marked = [
+        None if t is None else tf.identity(t, name=UNSCALED_OP_NAME)
+        for t in tensors
+    ]
+    if tf.executing_eagerly():
+        for t in marked:
+            if t is not None:
+                _eager_unscaled[id(t)] = t
+    return marked
+
+
+def unscaled_marks(tensors):
+    """For each tensor, whether it is (derived from) a marked one.
+
+    Args:
+        tensors: Dense tensors.
+
+    Returns:
+        A list of Python bools.
+    """
+    if tf.executing_eagerly():
+        return [_eager_unscaled.get(id(t)) is t for t in tensors]
+    graph = tensors[0].graph if tensors else None
+    if graph is None or not any(
+        op.type == "Identity" and op.name.split("/")[-1].startswith(UNSCALED_OP_NAME)
+        for op in graph.get_operations()
+    ):
+        return [False] * len(tensors)
+    verdicts = {}
+    return [_derived(t.op, verdicts) for t in tensors]
+
+
+def _derived(op, verdicts):
+    """Whether a marked identity is `op` or one of its ancestors."""
+    stack = [(op, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in verdicts:
+            continue
+        if node.name.split("/")[-1].startswith(UNSCALED_OP_NAME):
+            verdicts[node] = True
+            continue
+        parents = [t.op for t in node.inputs]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((p, False) for p in parents if p not in verdicts)
+        else:
+            verdicts[node] = any(verdicts.get(p, False) for p in parents)
+    return verdicts[op]
+
+
+def init_scope():
+    """Runs the enclosed code outside any function being traced (once)."""
+    return tf.init_scope()
