@@ -365,20 +365,34 @@ def reference_underflow(reference, model, x, y, scale):
     return float(np.mean(nonzero * scale < FLOAT16_TINY))
 
 
-def recovery_run(kind, phases, checkpoints, seed=0):
-    """Clean / NaN / clean phases; returns one dict per checkpoint."""
+SPIKE = 1e7
+
+
+def recovery_run(kind, phases, checkpoints, burst="nan", seed=0):
+    """Clean / burst / clean phases; returns one dict per checkpoint.
+
+    `burst`: `"nan"` puts a NaN in each burst batch (bad data: the loss is
+    NaN); `"spike"` multiplies the loss by `SPIKE` (finite loss, gradients
+    that overflow: a genuine overflow burst).
+    """
     rng = np.random.default_rng(seed)
     batches = data_mlp(rng, 8)
     model = build_model(build_mlp, seed)
     reference = build_model(build_mlp, seed, policy="float32")
-    model.compile(optimizer=make_optimizer(kind), loss=loss_ce, jit_compile=True)
+    spike = keras.Variable(1.0, trainable=False, name="spike")
+
+    def loss(y_true, y_pred):
+        return loss_ce(y_true, y_pred) * spike
+
+    model.compile(optimizer=make_optimizer(kind), loss=loss, jit_compile=True)
     optimizer = model.optimizer
     x_clean, y_clean = batches[0]
     records, step = [], 0
     for phase, (name, count, poisoned) in enumerate(phases):
         for i in range(count):
             x, y = batches[step % len(batches)]
-            if poisoned:
+            spike.assign(SPIKE if poisoned and burst == "spike" else 1.0)
+            if poisoned and burst == "nan":
                 x = x.copy()
                 x[0, 0] = np.nan
             model.train_on_batch(x, y)
@@ -399,16 +413,22 @@ def recovery_run(kind, phases, checkpoints, seed=0):
     return records
 
 
-def recovery(clean, burst, after):
-    phases = (("clean", clean, False), ("NaN burst", burst, True), ("recovery", after, False))
+def recovery(clean, burst, after, kind_of_burst):
+    name = {"nan": "NaN burst", "spike": "spike burst"}[kind_of_burst]
+    phases = (("clean", clean, False), (name, burst, True), ("recovery", after, False))
     checkpoints = {1, 10, after // 2}
-    return {kind: recovery_run(kind, phases, checkpoints) for kind in ("adaptive", "stock")}
+    return {
+        kind: recovery_run(kind, phases, checkpoints, kind_of_burst)
+        for kind in ("adaptive", "stock")
+    }
 
 
-def print_recovery(results, clean, burst, after):
+def print_recovery(results, clean, burst, after, kind_of_burst):
+    what = {"nan": "with x[0,0]=NaN (bad data: NaN loss)",
+            "spike": f"with the loss x{SPIKE:g} (finite loss, overflowing gradients)"}
     print()
     print(f"B. Recovery: MLP, mixed_float16, defaults; {clean} clean steps, {burst} "
-          f"steps with x[0,0]=NaN, {after} clean steps")
+          f"steps {what[kind_of_burst]}, {after} clean steps")
     for kind, records in results.items():
         title = {"adaptive": "tas.AdaptiveLossScaleOptimizer(scaling='adaptive')",
                  "stock": "keras.mixed_precision.LossScaleOptimizer"}[kind]
@@ -461,8 +481,9 @@ def main(argv=None):
         print(f"(part A: {time.perf_counter() - began:.0f} s)", flush=True)
     if args.only != "startup":
         began_b = time.perf_counter()
-        results = recovery(*args.phases)
-        print_recovery(results, *args.phases)
+        for kind_of_burst in ("nan", "spike"):
+            results = recovery(*args.phases, kind_of_burst)
+            print_recovery(results, *args.phases, kind_of_burst)
         print(f"(part B: {time.perf_counter() - began_b:.0f} s)")
     print(f"total: {time.perf_counter() - began:.0f} s")
 

@@ -51,7 +51,7 @@ def test_dynamic_grows_backs_off_with_hysteresis_within_bounds():
     trail = run(policy, state(10.0), [c, c, c, c, OVERFLOW, c, OVERFLOW, OVERFLOW,
                                       OVERFLOW, OVERFLOW, OVERFLOW, OVERFLOW])
     assert field(trail, "log2_scale") == [10, 11, 11, 11, 11, 11, 11, 10, 10, 9, 9, 8]
-    assert field(trail, "overflow_streak") == [0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0]
+    assert field(trail, "overflow_streak") == [0, 0, 0, 0, 1, 0, 1, 2, 3, 4, 5, 6]
     # Growth counts clean steps since the last growth; an overflow resets it.
     assert field(trail, "growth_count")[:6] == [1, 0, 1, 0, 0, 1]
     floor = run(policy, state(8.0, overflow_streak=1), [OVERFLOW])
@@ -118,10 +118,18 @@ def test_adaptive_overflow_halves_caps_and_clean_measurements_lift_the_cap():
     assert field(trail, "steps_to_measure") == [0, 99, 98, 99]
 
 
+def test_consecutive_back_offs_double_their_step():
+    policy = sp.AdaptiveScaling(100, 1, -60.0, 24.0)
+    trail = run(policy, state(14.0), [OVERFLOW] * 8)
+    assert field(trail, "log2_scale") == [13, 11, 7, -1, -17, -49, -60, -60]
+    again = run(policy, state(14.0), [OVERFLOW, clean(measured=False), OVERFLOW])
+    assert field(again, "log2_scale") == [13, 13, 12]  # a clean step restarts at 1
+
+
 def test_a_burst_of_overflows_costs_one_binade_after_one_clean_measurement():
     policy = sp.AdaptiveScaling(100, 1, -32.0, 24.0)
     trail = run(policy, state(14.0), [OVERFLOW] * 30 + [clean(14.0)] + [clean(14.0)])
-    assert trail[29]["log2_scale"] == -16 and trail[29]["log2_ceiling"] == -16
+    assert trail[29]["log2_scale"] == -32 and trail[29]["log2_ceiling"] == -32
     assert trail[30]["log2_scale"] == 13 and trail[31]["log2_scale"] == 14
 
 
@@ -130,7 +138,7 @@ def test_adaptive_hysteresis_backs_off_only_after_consecutive_overflows():
     c = clean(measured=False)
     trail = run(policy, state(14.0), [OVERFLOW, OVERFLOW, c, OVERFLOW, OVERFLOW, OVERFLOW])
     assert field(trail, "log2_scale") == [14, 14, 14, 14, 14, 13]
-    assert field(trail, "overflow_streak") == [1, 2, 0, 1, 2, 0]
+    assert field(trail, "overflow_streak") == [1, 2, 0, 1, 2, 3]
     # Every overflow measures the next step, held back or not.
     assert field(trail, "steps_to_measure") == [0, 0, 0, 0, 0, 0]
 

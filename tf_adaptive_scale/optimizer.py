@@ -46,7 +46,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
       measured: an overflow before any clean measurement drops the scale 39
       binades, so any loss magnitude costs at most one skipped step. Later,
       an overflow skips the step, halves the scale, caps it there and
-      measures the next step; each clean measurement lifts the cap a binade.
+      measures the next step (consecutive back-offs step 1, 2, 4, ...
+      binades); each clean measurement lifts the cap a binade.
     - `"dynamic"`: Keras-compatible: the scale doubles after
       `dynamic_growth_steps` clean steps and halves after `hysteresis`
       consecutive overflows.

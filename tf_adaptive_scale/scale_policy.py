@@ -35,7 +35,7 @@ class ScaleState(NamedTuple):
         log2_scale: Exponent of the scale (a vector, one per unit, per layer).
         log2_ceiling: Exponent(s) of the cap an overflow put on the scale.
         growth_count: Clean steps since the scale last grew (dynamic mode).
-        overflow_streak: Consecutive overflows not yet backed off from.
+        overflow_streak: Consecutive overflows since the last applied step.
         steps_to_measure: Steps before the next measured step (0: this one).
         calibrated: A clean measurement has set the scale (before that, the
             initial scale is only a guess).
@@ -117,15 +117,16 @@ class Policy:
         return state._replace(**defaults)
 
     def _streak(self, state, obs, hysteresis):
-        """The overflow streak and whether it backs the scale off now."""
+        """The overflow streak and whether it backs the scale off now: on
+        every `hysteresis`-th consecutive overflow."""
         overflow = self._overflowed(obs)
         streak = ops.where(
             overflow,
             state.overflow_streak + 1,
             ops.where(obs.finite, 0, state.overflow_streak),
         )
-        back_off = ops.logical_and(overflow, streak >= hysteresis)
-        return overflow, ops.where(back_off, 0, streak), back_off
+        back_off = ops.logical_and(overflow, ops.mod(streak, hysteresis) == 0)
+        return overflow, streak, back_off
 
 
 class NoScaling(Policy):
@@ -228,6 +229,7 @@ class AdaptiveScaling(Policy):
     measured step sees the gradient's peak, so finding a working scale costs
     one skipped step whatever the loss's magnitude; a measurement that saw
     only zeros raises the guess `UNSEEN_STEP` binades and measures again.
+    Once calibrated, consecutive back-offs step 1, 2, 4, ... binades.
 
     Args:
         update_every: Steps between two measurements.
@@ -266,7 +268,11 @@ class AdaptiveScaling(Policy):
             ops.minimum(scale + UNSEEN_STEP, ops.minimum(ceiling, self.log2_max)),
             scale,
         )
-        halved = ops.maximum(scale - 1.0, self.log2_min)
+        # Consecutive back-offs step 1, 2, 4, ... binades (at most 32): a
+        # sudden 2**20 spike in the loss costs 5 skipped steps, not 20.
+        backoffs = ops.maximum(streak // self.hysteresis, 1)
+        step = ops.cast(ops.left_shift(1, ops.minimum(backoffs - 1, 5)), "float32")
+        halved = ops.maximum(scale - step, self.log2_min)
         dropped = ops.maximum(scale - CALIBRATION_DROP, self.log2_min)
         scale = ops.where(
             back_off, ops.where(state.calibrated, halved, dropped), scale
