@@ -99,21 +99,33 @@ def overflow_adaptive():
     )
 
 
-def _overflow(make_optimizer, extra_clean_step):
+def nan_loss_adaptive():
+    """AdaptiveLossScaleOptimizer when only replica 1's shard holds a NaN:
+    bad data on one replica skips the step everywhere, without back-off."""
+    return _overflow(
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), scaling="dynamic"
+        ),
+        extra_clean_step=True,
+        poison=np.nan,
+    )
+
+
+def _overflow(make_optimizer, extra_clean_step, poison=1e4):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        return _overflow_step(make_optimizer, extra_clean_step)
+        return _overflow_step(make_optimizer, extra_clean_step, poison)
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _replica_one_overflow_batches(seed):
-    """A global batch whose second half (replica 1's shard) overflows float16,
-    its targets, and a clean batch."""
+def _replica_one_overflow_batches(seed, poison=1e4):
+    """A global batch whose second half (replica 1's shard) is `poison` (1e4
+    overflows float16), its targets, and a clean batch."""
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, FEATURES)).astype("float32")
     y = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, 1)).astype("float32")
-    x[PER_REPLICA:] = 1e4
+    x[PER_REPLICA:] = poison
     clean_x = rng.uniform(-1.0, 1.0, (2 * PER_REPLICA, FEATURES)).astype("float32")
     return x, y, clean_x
 
@@ -128,13 +140,13 @@ def _shard(strategy, array):
     return strategy.experimental_distribute_values_from_function(value_fn)
 
 
-def _overflow_step(make_optimizer, extra_clean_step):
+def _overflow_step(make_optimizer, extra_clean_step, poison=1e4):
     strategy = tf.distribute.MirroredStrategy(CPUS)
     assert strategy.num_replicas_in_sync == 2
     global_batch = 2 * PER_REPLICA
     weights0 = initial_weights()
 
-    x, y, clean_x = _replica_one_overflow_batches(seed=0)
+    x, y, clean_x = _replica_one_overflow_batches(seed=0, poison=poison)
     shard = functools.partial(_shard, strategy)
 
     def replica_id_fn(ctx):
@@ -621,6 +633,7 @@ def _per_layer_overflow():
 SCENARIOS = {
     "overflow_stock": overflow_stock,
     "overflow_adaptive": overflow_adaptive,
+    "nan_loss_adaptive": nan_loss_adaptive,
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
     "per_layer_fit_fp16": per_layer_fit_fp16,

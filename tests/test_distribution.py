@@ -81,6 +81,7 @@ GROUPS = (
     (
         "overflow_stock",
         "overflow_adaptive",
+        "nan_loss_adaptive",
         "equivalence_dynamic_clipnorm",
         "equivalence_adaptive_fp16",
     ),
@@ -190,6 +191,16 @@ def test_adaptive_skips_step_on_replica_one_overflow():
     after = r["after_clean_step"]
     assert_next_step_applied(after)
     assert after["loss_scale"] == 2.0**14
+
+
+def test_nan_loss_on_replica_one_skips_everywhere_without_back_off():
+    r = _scenario("nan_loss_adaptive")
+    assert r["replica_ids"] == [0, 1] and r["local_grads_finite"] == [True, False]
+    assert_first_step_skipped(r)
+    assert r["loss_scale"] == 2.0**15  # bad data, not an overflow
+    after = r["after_clean_step"]
+    assert_next_step_applied(after)
+    assert after["loss_scale"] == 2.0**15
 
 
 # ---------------------------------------------------------------------------

@@ -142,6 +142,23 @@ def test_instrumented_model_needs_per_layer_optimizer():
         opt.apply(gradients(model, model.trainable_variables, x, y), model.trainable_variables)
 
 
+def test_default_scaling_selects_per_layer_for_an_instrumented_model():
+    model, x, y = build("sequential", "mixed_float16")
+    compiled = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
+    tas.instrument(model).compile(compiled, loss="mse")
+    assert compiled.scaling == "per_layer" and float(compiled.loss_scale) == 1.0
+    # In a custom loop, at the first step; and the explicit opposite still raises.
+    looped = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0))
+    instrumented = tas.instrument(model)
+    variables = instrumented.trainable_variables
+    looped.apply(gradients(instrumented, variables, x, y), variables)
+    assert looped.scaling == "per_layer" and looped.get_config()["scaling"] == "per_layer"
+    assert int(looped.skipped_steps) == 0
+    wrong = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="adaptive")
+    with pytest.raises(ValueError, match="not scaling='adaptive'"):
+        wrong.apply(gradients(instrumented, variables, x, y), variables)
+
+
 def test_instrumenting_twice_is_refused():
     model, _, _ = build("sequential", "float32")
     with pytest.raises(ValueError, match="already instrumented"):
