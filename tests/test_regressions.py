@@ -280,23 +280,53 @@ def test_get_unscaled_gradients_does_not_change_a_later_apply():
     assert_sgd_step(before, values(model.weights), lr, grads)
 
 
-def test_legacy_get_scaled_loss_get_unscaled_gradients_apply_gradients():
-    """Bug 3 guard: the tf-keras flow still unscales exactly once."""
+def clip_to_global_norm(grads, norm):
+    """numpy reference of tf.clip_by_global_norm."""
+    total = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in grads))
+    return [g * min(1.0, norm / total) for g in grads]
+
+
+@pytest.mark.parametrize("clip, eager", [(None, False), (1e-3, False), (None, True)])
+def test_legacy_get_scaled_loss_get_unscaled_gradients_apply_gradients(clip, eager):
+    """Bug 3 guard: the tf-keras flow unscales exactly once, also when the
+    unscaled gradients are clipped before apply_gradients, and eagerly."""
     lr = 0.05
     model, optimizer, x, y = static_setup(lr)
     variables = model.trainable_variables
 
-    @tf.function(jit_compile=True)
     def train_step(x, y):
         with tf.GradientTape() as tape:
             scaled = optimizer.get_scaled_loss(ops.mean(mse(y, model(x, training=True))))
         grads = optimizer.get_unscaled_gradients(tape.gradient(scaled, variables))
+        if clip is not None:
+            grads, _ = tf.clip_by_global_norm(grads, clip)
         optimizer.apply_gradients(zip(grads, variables))
 
+    if not eager:
+        train_step = tf.function(train_step, jit_compile=True)
     grads = reference_gradients(model, x, y, mse)
+    if clip is not None:
+        grads = clip_to_global_norm(grads, clip)
     before = values(model.weights)
     train_step(x, y)
     assert_sgd_step(before, values(model.weights), lr, grads)
+
+
+def test_legacy_and_scaled_gradients_mixed_in_one_apply_are_refused():
+    """Half of the gradients through get_unscaled_gradients is ambiguous."""
+    model, optimizer, x, y = static_setup(0.05)
+    variables = model.trainable_variables
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            scaled = optimizer.scale_loss(ops.mean(mse(y, model(x, training=True))))
+        grads = tape.gradient(scaled, variables)
+        grads[0] = optimizer.get_unscaled_gradients(grads[:1])[0]
+        optimizer.apply(grads, variables)
+
+    with pytest.raises(ValueError, match="some do not"):
+        train_step(x, y)
 
 
 # ------------------------------------------------------ 4: scale arguments
