@@ -254,3 +254,29 @@ def test_adaptive_mass_criterion_and_rise_cap():
         dict(scaling="adaptive", initial_scale=2.0**3, headroom=2.0**8, max_scale_rise=2), shape=(1001,)
     )
     assert run(capped, var_c, [g * 2.0**3]) == [2.0**5]
+
+
+def test_underflow_fraction_counts_values_lost_to_zero():
+    """At too low a scale most float16 gradients flush to zero: the reported
+    underflow must show them, not only the nonzero values that remain."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(4)])
+    x = np.random.default_rng(0).standard_normal((64, 16)).astype("float32")
+    y = np.zeros((64, 4), "float32")
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.0), scaling="static", initial_scale=2.0**-18
+    )
+    model.compile(opt, "mse", jit_compile=True)
+    model.train_on_batch(x, y)
+    keras.mixed_precision.set_global_policy("float32")
+    reference = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(4)])
+    reference.set_weights(model.get_weights())
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(reference(x) - y))
+    g = np.concatenate([np.ravel(t) for t in tape.gradient(loss, reference.trainable_variables)])
+    lost = np.mean(np.abs(g) * 2.0**-18 < 2.0**-24)
+    assert 0.1 < lost < 0.9  # the setup: part of the values underflow
+    assert float(opt.gradient_zeros) > 0
+    # float16 loses at least what the final values predict (products inside
+    # the backward pass underflow too); values lost to zero are not hidden.
+    assert lost - 0.02 <= float(opt.underflow_fraction) <= lost + 0.2

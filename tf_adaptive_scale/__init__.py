@@ -2,6 +2,7 @@
 
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
+from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
 from tf_adaptive_scale.gradient_scale import branch_on_measure
@@ -20,4 +21,5 @@ __all__ = [
     "instrument",
     "clipping",
     "gradient_statistics",
+    "scale_policy",
 ]
