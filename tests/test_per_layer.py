@@ -2,6 +2,7 @@
 overflow attribution, fit/XLA, custom loops, save/load and checkpoints."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -200,15 +201,11 @@ def test_custom_loop_traced_once_with_xla():
     @tf.function(jit_compile=True)
     def step(xb, yb):  # the README's loop
         traces.append(1)
-
-        def train():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
-                scaled = opt.scale_loss(loss)  # the identity: scales live in the model
-            opt.apply(tape.gradient(scaled, variables), variables)
-            return loss
-
-        return tas.branch_on_measure(inst, train)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
+            scaled = opt.scale_loss(loss)  # the identity: scales live in the model
+        opt.apply(tape.gradient(scaled, variables), variables)
+        return loss
 
     losses = [float(step(x, y)) for _ in range(6)]
     assert len(traces) == 1 and losses[-1] < losses[0]
@@ -226,68 +223,99 @@ def measured_boundaries(inst):  # all but those on the model's inputs
     )
 
 
-def test_steps_that_do_not_measure_carry_no_statistics_code():
-    """The branch that does not measure holds no per-edge conditional."""
-    model, x, y = build("residual", "mixed_float16")
+CONDITIONALS = {"If", "StatelessIf"}
+
+
+def test_each_measured_edge_has_one_conditional_holding_only_statistics():
+    """Statistics cost nothing on other steps, and no layer's work (matmul,
+    convolution) sits inside a conditional."""
+    model, x, y = build("convolutional", "mixed_float16")
     inst = tas.instrument(model)
     variables = inst.trainable_variables
 
+    @tf.function
     def forward_backward():
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(inst(x, training=True) - y))
         return tape.gradient(loss, variables)
 
-    graph = tf.function(lambda: tas.branch_on_measure(inst, forward_backward))
-    graph = graph.get_concrete_function().graph.as_graph_def()
-    conditionals = {"If", "StatelessIf"}
-    (outer,) = [n for n in graph.node if n.op in conditionals]
-    inner = {
-        f.signature.name: sum(n.op in conditionals for n in f.node_def)
-        for f in graph.library.function
-    }
-    assert inner[outer.attr["then_branch"].func.name] == measured_boundaries(inst) > 0
-    assert inner[outer.attr["else_branch"].func.name] == 0
+    graph = forward_backward.get_concrete_function().graph.as_graph_def()
+    functions = {f.signature.name: f for f in graph.library.function}
+    conditionals = [n for f in [graph.node] + [f.node_def for f in functions.values()]
+                    for n in f if n.op in CONDITIONALS]
+    assert len(conditionals) == measured_boundaries(inst) > 0
+    heavy = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "BatchMatMulV2")
+    for node in conditionals:
+        for branch in ("then_branch", "else_branch"):
+            body = functions[node.attr[branch].func.name]
+            assert not [n.op for n in body.node_def if n.op in heavy]
 
 
-def test_fit_branches_once_and_matches_a_loop_with_one_conditional_per_edge(monkeypatch):
-    model, x, y = build("shared_and_concat", "mixed_float16")
-    weights = model.get_weights()
-    traced = []  # statistics code per traced boundary, in fit's train step
-    convert = gs._convert
-    monkeypatch.setattr(gs, "_convert", lambda *a: traced.append(
-        not getattr(gs._trace_state, "statistics_off", False)) or convert(*a))
-    fitted = tas.instrument(model)
-    fitted.compile(per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2),
-                   "mse", jit_compile=True)
-    logs = [fitted.train_on_batch(x, y, return_dict=True)["loss"] for _ in range(5)]
-    # Each trace (Keras traces twice when the optimizer builds lazily) has
-    # every boundary once per branch: with statistics code, and without.
-    assert traced.count(True) == traced.count(False) > 0
-    assert traced.count(True) % boundaries(fitted) == 0
+def conv_net():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.Input((8, 8, 4)),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(2),
+    ])
+    x = np.random.default_rng(0).standard_normal((4, 8, 8, 4)).astype("float32")
+    return model, x, np.ones((4, 2), "float32")
 
-    model.set_weights(weights)
-    looped = tas.instrument(model)
-    opt = per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2)
-    variables = looped.trainable_variables
-    opt.build(variables)
+
+def hlo_step(model, optimizer, x, y):
+    """The optimized XLA program of one training step (model.fit's)."""
+    model.compile(optimizer, "mse", jit_compile=True)
+    model.train_on_batch(x, y)  # builds everything
 
     @tf.function(jit_compile=True)
-    def step(xb, yb):  # no branch: every boundary has its own conditional
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(looped(xb, training=True) - yb))
-        opt.apply(tape.gradient(loss, variables), variables)
-        return loss
+    def step(xb, yb):
+        return model.train_step((xb, yb))
 
-    losses = [float(step(x, y)) for _ in range(5)]
-    np.testing.assert_allclose(logs, losses, rtol=1e-6)
-    assert fitted.layer_scales() == looped.layer_scales()
-    np.testing.assert_array_equal(fitted.scale_table.statistics.numpy(),
-                                  looped.scale_table.statistics.numpy())
-    for a, b in zip(fitted.get_weights(), looped.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
 
 
-def test_fit_updates_batch_norm_statistics_inside_the_branch():
+def computations_under_conditionals(hlo):
+    """Names of the computations a conditional runs, transitively."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if header and line.rstrip().endswith("{"):
+            name = header.group(1)
+            bodies[name] = []
+        elif name:
+            bodies[name].append(line)
+    called = lambda text: set(re.findall(r"%([\w.\-]+)", text)) & set(bodies)
+    pending = set()
+    for lines in bodies.values():
+        for line in lines:
+            if " conditional(" in line:
+                pending |= called(line.split("conditional(", 1)[1].split(")", 1)[1])
+    seen = set()
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            pending |= called("\n".join(bodies[name]))
+    return {name: bodies[name] for name in seen}
+
+
+def test_compiled_per_layer_step_keeps_convolutions_out_of_conditionals():
+    """The 50x slowdown of a step inside one conditional, caught without timing:
+    XLA on CPU compiles convolutions inside conditionals as naive loops."""
+    model, x, y = conv_net()
+    stock_hlo = hlo_step(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()), x, y)
+    inst = tas.instrument(model)
+    hlo = hlo_step(inst, per_layer_optimizer(keras.optimizers.SGD()), x, y)
+    inside = computations_under_conditionals(hlo)
+    assert inside  # the per-edge statistics conditionals exist
+    assert not [line for body in inside.values() for line in body if " convolution(" in line]
+    # Every convolution of the stock step is there, outside any conditional.
+    assert hlo.count(" convolution(") == stock_hlo.count(" convolution(") > 0
+
+
+def test_fit_updates_batch_norm_statistics_as_float32_does():
     reference, x, y = build("convolutional", "float32")
     weights = reference.get_weights()
     model, _, _ = build("convolutional", "mixed_float16")
@@ -388,17 +416,9 @@ def test_subclassed_model_with_instrumented_blocks_is_exact():
         np.testing.assert_allclose(got[id(v)].numpy() / scale, reference[id(v)].numpy(), rtol=1e-6, atol=1e-7)
 
 
-class BranchedTwoBlockNet(TwoBlockNet):
-    """The README's train_step for subclassed models with instrumented blocks."""
-
-    def train_step(self, data):
-        return tas.branch_on_measure(self, lambda: super(BranchedTwoBlockNet, self).train_step(data))
-
-
-@pytest.mark.parametrize("net_class", [TwoBlockNet, BranchedTwoBlockNet])
-def test_subclassed_model_with_instrumented_blocks_trains_in_float16(net_class):
+def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
     encoder, decoder, head = blocks("mixed_float16")
-    net = net_class(tas.instrument(encoder), tas.instrument(decoder), head)
+    net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
     opt = per_layer_optimizer(keras.optimizers.Adam(1e-2), update_every=2)
     net.compile(opt, "mse", jit_compile=True)
     rng = np.random.default_rng(2)
@@ -406,39 +426,6 @@ def test_subclassed_model_with_instrumented_blocks_trains_in_float16(net_class):
     losses = net.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
     assert losses[-1] < losses[0] and int(opt.skipped_steps) == 0
     assert set(opt.layer_scales()) == set(net.encoder.layer_scales()) | set(net.decoder.layer_scales())
-
-
-def test_branch_on_measure_over_several_blocks_matches_per_edge_branching():
-    rng = np.random.default_rng(2)
-    x, y = rng.standard_normal((16, 6)).astype("float32"), rng.standard_normal((16, 2)).astype("float32")
-    runs = []
-    for branched in (True, False):
-        encoder, decoder, head = blocks("mixed_float16")  # same seed: same weights
-        net = TwoBlockNet(tas.instrument(encoder), tas.instrument(decoder), head)
-        net(x)
-        opt = per_layer_optimizer(keras.optimizers.SGD(0.05), update_every=2)
-        variables = net.trainable_variables
-        opt.build(variables)
-
-        def train():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(net(x) - y))
-            opt.apply(tape.gradient(loss, variables), variables)
-            return loss
-
-        step = tf.function(
-            (lambda: tas.branch_on_measure(net, train)) if branched else train,
-            jit_compile=True,
-        )
-        losses = [float(step()) for _ in range(5)]
-        tables = [b.scale_table for b in (net.encoder, net.decoder)]
-        runs.append((losses, [t.statistics.numpy() for t in tables],
-                     list(opt.layer_scales().values()), [v.numpy() for v in variables]))
-    (losses, stats, scales, weights), (losses2, stats2, scales2, weights2) = runs
-    np.testing.assert_allclose(losses, losses2, rtol=1e-6)
-    assert scales == scales2 and int(opt.skipped_steps) == 0
-    for a, b in zip(stats + weights, stats2 + weights2):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_units_whose_gradient_all_underflowed_rise_at_once():

@@ -5,7 +5,6 @@ from tf_adaptive_scale import gradient_statistics
 from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
-from tf_adaptive_scale.gradient_scale import branch_on_measure
 from tf_adaptive_scale.instrument import InstrumentedModel
 from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
@@ -17,7 +16,6 @@ __all__ = [
     "GradientScale",
     "InstrumentedModel",
     "ScaleTable",
-    "branch_on_measure",
     "instrument",
     "clipping",
     "gradient_statistics",

@@ -11,12 +11,6 @@ same result.
 import tensorflow as tf
 
 
-def synchronises_replicas():
-    """Whether steps run under a `tf.distribute` strategy: the optimizer step
-    then synchronises replicas, which no conditional may contain."""
-    return tf.distribute.has_strategy()
-
-
 def run_step(step_fn, inner_apply, grads, variables):
     """Runs one optimizer step on gradients summed over all replicas.
 

@@ -14,10 +14,10 @@ latter is a trainable variable read through the identity: whatever the
 boundaries return as *its* gradient is the per-unit statistics of this very
 backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA. They are taken
-only on measured steps (the `measure` flag). `branch_on_measure` runs a whole
-training step in one conditional on that flag, so that other steps pay one
-fused multiply per edge; outside it each edge has its own conditional (correct
-anywhere, a few per cent slower).
+only on measured steps: each edge has one small conditional on the `measure`
+flag, holding only its statistics, so other steps pay one fused multiply per
+edge. (A conditional around the whole step was measured too: XLA on CPU then
+compiles the convolutions inside it as naive loops, 50x slower.)
 
 Statistics columns, per unit (row), all zero on steps that do not measure:
 - `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
@@ -36,16 +36,13 @@ Statistics columns, per unit (row), all zero on steps that do not measure:
   its own backward, all overflowed.
 """
 
-import contextlib
 import math
-import threading
 
 import keras
 import ml_dtypes
 import numpy as np
 from keras import ops
 
-from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -61,66 +58,6 @@ NO_CAP = 127.0
 
 # Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
 LOSS_UNIT = 0
-
-# Set while tracing the branch of `branch_on_measure` that does not measure.
-# Thread-local: MirroredStrategy traces each replica in its own thread.
-_trace_state = threading.local()
-
-
-def branch_on_measure(model, fn):
-    """Runs `fn()` in one conditional on whether this step takes statistics.
-
-    Boundaries traced in the branch that does not measure carry no statistics
-    code at all, instead of one conditional per edge, which under XLA costs a
-    few per cent of the step even when not taken. Put the whole step in `fn`:
-    forward pass, loss, `tape.gradient` and the optimizer's `apply` (returning
-    gradients out of a branch copies them). Under `tf.distribute`, whose
-    optimizer step synchronises replicas inside no conditional, it runs `fn`
-    as it is: every boundary then branches on its own.
-
-    Args:
-        model: The model whose instrumented blocks `fn` runs (an
-            `InstrumentedModel`, or any model containing some).
-        fn: A function of no arguments; it is traced twice, once per branch.
-
-    Returns:
-        What `fn` returns (the same structure from both branches).
-
-    Example:
-
-    >>> def step():
-    ...     with tf.GradientTape() as tape:
-    ...         loss = loss_fn(y, model(x, training=True))
-    ...     grads = tape.gradient(loss, model.trainable_variables)
-    ...     optimizer.apply(grads, model.trainable_variables)
-    ...     return loss
-    >>> loss = tas.branch_on_measure(model, step)
-    """
-    tables = {
-        id(v.scale_table): v.scale_table
-        for v in model.trainable_variables
-        if hasattr(v, "scale_table")
-    }
-    if not tables or distribution.synchronises_replicas():
-        return fn()
-    measure = ops.any(ops.stack([t.measure > 0 for t in tables.values()]))
-
-    def without_statistics():
-        with _statistics_off():
-            return fn()
-
-    return ops.cond(measure, fn, without_statistics)
-
-
-@contextlib.contextmanager
-def _statistics_off():
-    previous = getattr(_trace_state, "statistics_off", False)
-    _trace_state.statistics_off = True
-    try:
-        yield
-    finally:
-        _trace_state.statistics_off = previous
-
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
 class ScaleTable(keras.layers.Layer):
@@ -287,7 +224,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     # top-level model never uses them (measuring would compute them for
     # nothing, and an overflow there would skip a step that harms no weight);
     # in a block, the layers they reach have their own checks.
-    if getattr(_trace_state, "statistics_off", False) or producer == LOSS_UNIT:
+    if producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     rows = ops.cond(
         control[-1] > 0,

@@ -7,7 +7,6 @@ from tf_adaptive_scale import validation
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
-from tf_adaptive_scale.gradient_scale import branch_on_measure
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
 
@@ -148,12 +147,6 @@ class InstrumentedModel(keras.Model):
     def layer_scales(self):
         """The current scale of every layer (unit) by layer name."""
         return self.scale_table.scales()
-
-    def train_step(self, data):
-        # One branch per step on whether it measures, optimizer step included.
-        return branch_on_measure(
-            self, lambda: super(InstrumentedModel, self).train_step(data)
-        )
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         if (
