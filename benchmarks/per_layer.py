@@ -73,12 +73,12 @@ layers below the 2**-30 attenuation (gradients around 1e-12) barely move in
 *any* variant, float32 included, and the curves would show nothing.
 
 Cost: step-time ratio of the instrumented MLP 512-1024-1024-10 (batch 128,
-`jit_compile=True`, the model of `benchmarks/step_time.py`) with `per_layer`
-`update_every=100` and `update_every=1` to the stock LossScaleOptimizer on the
-uninstrumented model: one `train_on_batch` per variant in turn, in random
-order, N rounds (`benchmarks/per_step_cost.py`, whose functions are reused);
-ratios of the mean wall time per step (measured steps included at their
-frequency) and of the mean CPU time. Lines
+`jit_compile=True`, the MLP of `benchmarks/step_cost.py`, whose other
+families it also times) with `per_layer` `update_every=100` and
+`update_every=1` to the stock LossScaleOptimizer on the uninstrumented model:
+one `train_on_batch` per variant in turn, in random order, N rounds
+(`benchmarks/timing.py`); ratios of the mean wall time per step (measured
+steps included at their frequency) and of the mean CPU time. Lines
 `ratio per_layer(update_every=100)/stock: X.XXX` and
 `ratio per_layer(update_every=1)/stock: X.XXX` are printed for grepping.
 
@@ -136,8 +136,8 @@ except ImportError:  # `python benchmarks/per_layer.py` without PYTHONPATH
     import tf_adaptive_scale as tas
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-import per_step_cost  # noqa: E402  (interleaved step timing)
-import step_time  # noqa: E402  (its model, data and timing helpers)
+import step_cost  # noqa: E402  (the MLP family and its variants)
+import timing  # noqa: E402  (interleaved step timing)
 
 # One tf.function per model is traced on purpose; silence the retrace notes.
 tf.get_logger().setLevel("ERROR")
@@ -782,32 +782,17 @@ def cost(args):
 
 
 def _cost(args):
-    names = ["stock", "per_layer_100", "per_layer_1"]
-    print(f"  cost: warming up {len(names)} variants (jit_compile=True) ...",
-          flush=True)
-    models, batch = per_step_cost.build(names, args.seed)
-    traces = {name: 0 for name in names}
-    for name, model in models.items():
-        step_time.count_traces(model, traces, name)
-    ratios = per_step_cost.interleave(models, batch, args.cost_steps, args.seed)
-    skipped = {
-        name: int(model.optimizer.skipped_steps.numpy())
-        if isinstance(model.optimizer, tas.AdaptiveLossScaleOptimizer)
-        else 3 + args.cost_steps - int(model.optimizer.iterations.numpy())
-        for name, model in models.items()
-    }
+    print("  cost: timing the MLP's variants (jit_compile=True) ...", flush=True)
+    measured = step_cost.measure_family("mlp", True, args.cost_steps, args.seed)
     return {
-        "model": f"MLP {step_time.INPUT_DIM}-"
-        f"{'-'.join(map(str, step_time.HIDDEN))}-{step_time.CLASSES}",
-        "batch_size": step_time.BATCH,
+        "model": "MLP 512-1024-1024-10",
+        "batch_size": measured["batch"][0],
         "jit_compile": True,
         "steps": args.cost_steps,
-        "results": {
-            name: dict(ratios[name], skipped_steps=skipped[name],
-                       total_steps=3 + args.cost_steps)
-            for name in names
+        "results": measured["ratios"],
+        "retraces_during_timing": {
+            n: r["retraces"] for n, r in measured["ratios"].items() if r["retraces"]
         },
-        "retraces_during_timing": {n: c for n, c in traces.items() if c},
     }
 
 
@@ -920,13 +905,11 @@ def print_cost(c):
     print(f"Cost: step-time ratio to stock LossScaleOptimizer, {c['model']}, "
           f"batch {c['batch_size']}, jit_compile=True, {c['steps']} steps per "
           "variant interleaved one by one in random order")
-    header = (f"  {'variant':<16} {'wall, mean':>10} {'wall, median':>13} "
-              f"{'CPU, mean':>10} {'skipped/total':>14}")
+    header = f"  {'variant':<16} {'wall, mean':>10} {'wall, median':>13} {'CPU, mean':>10}"
     print(header)
     print("  " + "-" * (len(header) - 2))
     for name, r in c["results"].items():
-        print(f"  {name:<16} {r['wall']:>10.3f} {r['wall_median']:>13.3f} "
-              f"{r['cpu']:>10.3f} {r['skipped_steps']:>6}/{r['total_steps']:<7}")
+        print(f"  {name:<16} {r['wall']:>10.3f} {r['wall_median']:>13.3f} {r['cpu']:>10.3f}")
     print()
     for name, label in (("per_layer_100", "update_every=100"),
                         ("per_layer_1", "update_every=1")):
@@ -1000,7 +983,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    step_time.set_threads(args.threads)
+    timing.set_threads(args.threads)
     keras.mixed_precision.set_global_policy("float32")
     began = time.perf_counter()
     results = []
@@ -1040,7 +1023,7 @@ def main(argv=None):
         payload = {
             "benchmark": "per_layer",
             "config": {k: v for k, v in vars(args).items() if k != "json"},
-            "environment": step_time.environment(),
+            "environment": timing.environment(),
             "definitions": {
                 "error": "||g - g_ref|| / ||g_ref|| per kernel, g_ref from the "
                 "float32 twin at the same weights",

@@ -58,51 +58,83 @@ def instrument(model, initial_scale=1.0):
             "`model` must be built on known inputs (e.g. start it with "
             "keras.Input) before it can be instrumented."
         )
-    leaves = _leaf_layers(model)
-    if any(isinstance(l, (ScaleTable, GradientScale)) for l in leaves):
-        raise ValueError(
-            "`model` is already instrumented (it holds gradient-scale "
-            "boundaries); instrument the original model instead."
-        )
-    units = ["loss"] + [layer.name for layer in leaves]
-    index = {name: i for i, name in enumerate(units)}
     # A Sequential model's `input` is undefined until it is called.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    input_names = [x.name for x in keras.tree.flatten(structure)]
+    inlined, groups = _plan(model, input_names)
+    unit_of = {}
+    for unit, group in enumerate(groups, start=1):
+        for op in group:
+            unit_of[id(op)] = unit
+    units = ["loss"] + [group[0].name for group in groups]
+    members = {
+        group[0].name: [op.name for op in group] for group in groups if len(group) > 1
+    }
     inputs = keras.tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
         structure,
     )
-    table = ScaleTable(units, initial_scale=initial_scale, name="gradient_scales")
+    taken = set(units) | set(input_names)
+    table_name = "gradient_scales"
+    while table_name in taken:
+        table_name += "_"
+    table = ScaleTable(units, initial_scale=initial_scale, name=table_name)
     control, statistics = table(keras.tree.flatten(inputs)[0])
     # Gradients leave through the inputs at scale 1, like they enter at the
     # outputs: an instrumented model nests in any model as a plain layer.
     producer_of = {id(x): LOSS_UNIT for x in keras.tree.flatten(inputs)}
 
-    def boundary(tensor, consumer, output_dtype=None):
+    def boundary(tensor, consumer, consumer_name, output_dtype=None):
         producer = producer_of.get(id(tensor))
         if producer is None or not _is_float(tensor):
             return tensor  # no gradient flows
+        if getattr(tensor, "sparse", False) or getattr(tensor, "ragged", False):
+            if producer == LOSS_UNIT and output_dtype is None:
+                return tensor  # a model input: no weight's gradient passes
+            raise ValueError(
+                f"Cannot instrument the edge from unit "
+                f"'{units[producer]}' to '{consumer_name}': it carries a "
+                "sparse or ragged tensor, which a gradient-scale boundary "
+                "cannot convert. Make it dense (e.g. keras.ops.convert_to_"
+                "tensor in a layer) or use the global adaptive scale."
+            )
         return GradientScale(producer, consumer, output_dtype=output_dtype)(
             tensor, control, statistics
         )
 
-    def call(layer, *args, **kwargs):
-        if _is_graph(layer):
-            return _run(layer, args[0], call)  # inline nested models
-        unit = index[layer.name]
+    def call(op, *args, **kwargs):
+        if id(op) in inlined:
+            return _run(op, args[0], call)  # inline nested models
+        unit = unit_of[id(op)]
         args, kwargs = keras.tree.map_structure(
-            lambda t: boundary(t, unit) if _is_tensor(t) else t, (args, kwargs)
+            lambda t: boundary(t, unit, op.name) if _is_tensor(t) else t,
+            (args, kwargs),
         )
-        outputs = layer(*args, **kwargs)
+        try:
+            outputs = op(*args, **kwargs)
+        except Exception as error:
+            raise ValueError(
+                f"Cannot instrument {_describe(op)}: calling it again on the "
+                "instrumented graph (with a gradient-scale boundary on each "
+                f"input) failed with {type(error).__name__}: {error}"
+            ) from error
         for t in keras.tree.flatten(outputs):
-            producer_of[id(t)] = unit
+            if _is_tensor(t):
+                producer_of[id(t)] = unit
         return outputs
 
     outputs = _run(model, inputs, call)
     outputs = keras.tree.map_structure(
-        lambda t: boundary(t, LOSS_UNIT, output_dtype="float32"), outputs
+        lambda t: boundary(t, LOSS_UNIT, "loss", output_dtype="float32"), outputs
     )
-    return InstrumentedModel(inputs, outputs, name=f"{model.name}_instrumented")
+    output_names = getattr(model, "output_names", None)
+    return InstrumentedModel(
+        inputs,
+        outputs,
+        name=f"{model.name}_instrumented",
+        output_names=None if output_names is None else list(output_names),
+        unit_members=members or None,
+    )
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")

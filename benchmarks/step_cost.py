@@ -1,0 +1,234 @@
+"""Step-time cost of adaptive and per-layer loss scaling, per architecture.
+
+For each family (an MLP, a small CNN, a U-Net, a transformer encoder, and
+`keras.applications` ResNet50 and MobileNetV2 with `weights=None` at small
+inputs) and with and without XLA, every variant gets its own copy of the
+model with the same initial weights, `mixed_float16`, `Adam()`:
+
+- `stock`: `keras.mixed_precision.LossScaleOptimizer`;
+- `adaptive`: `tas.AdaptiveLossScaleOptimizer` (global adaptive scale);
+- `per_layer_100`, `per_layer_1`: `tas.instrument(model)` with
+  `scaling="per_layer"` at `update_every=100` and `=1`.
+
+Reported, as ratios to `stock` (interleaved `train_on_batch` steps in random
+order, medians; see `timing.py`): the step time; the first step's time
+(tracing and compiling included); and `tas.instrument`'s own time in
+seconds. The table is printed as Markdown and written, with the machine and
+the command, to `benchmarks/RESULTS.md` (`--out`).
+
+Run: PYTHONPATH=. python benchmarks/step_cost.py [--steps 40] [--families mlp,cnn]
+     [--no-xla | --xla-only] [--out benchmarks/RESULTS.md]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+from keras import layers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing  # noqa: E402
+
+import tf_adaptive_scale as tas  # noqa: E402
+
+CLASSES = 10
+
+
+def mlp():
+    x = keras.Input((512,))
+    h = layers.Dense(1024, activation="relu")(x)
+    h = layers.Dense(1024, activation="relu")(h)
+    return keras.Model(x, layers.Dense(CLASSES)(h)), (128, 512)
+
+
+def cnn():
+    x = keras.Input((16, 16, 8))
+    h = x
+    for _ in range(3):
+        h = layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+    h = layers.GlobalAveragePooling2D()(h)
+    h = layers.Dense(64, activation="relu")(h)
+    return keras.Model(x, layers.Dense(CLASSES)(h)), (64, 16, 16, 8)
+
+
+def unet():
+    x = keras.Input((32, 32, 3))
+    skips, h = [], x
+    for width in (16, 32):
+        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+        skips.append(h)
+        h = layers.MaxPooling2D()(h)
+    h = layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+    for width, skip in zip((32, 16), reversed(skips)):
+        h = layers.Conv2DTranspose(width, 2, strides=2)(h)
+        h = layers.Concatenate()([h, skip])
+        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
+    h = layers.GlobalAveragePooling2D()(h)  # classes, to share the data
+    return keras.Model(x, layers.Dense(CLASSES)(h)), (8, 32, 32, 3)
+
+
+def transformer(tokens=64, width=64, blocks=2):
+    x = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(1000, width)(x)
+    for _ in range(blocks):
+        a = layers.MultiHeadAttention(4, width // 4)(h, h)
+        h = layers.LayerNormalization()(layers.Add()([h, a]))
+        f = layers.Dense(4 * width, activation="gelu")(h)
+        h = layers.LayerNormalization()(layers.Add()([h, layers.Dense(width)(f)]))
+    h = layers.GlobalAveragePooling1D()(h)
+    return keras.Model(x, layers.Dense(CLASSES)(h)), (16, tokens)
+
+
+def resnet50():
+    model = keras.applications.ResNet50(
+        weights=None, input_shape=(32, 32, 3), classes=CLASSES, classifier_activation=None
+    )
+    return model, (8, 32, 32, 3)
+
+
+def mobilenetv2():
+    model = keras.applications.MobileNetV2(
+        weights=None, input_shape=(32, 32, 3), classes=CLASSES, classifier_activation=None
+    )
+    return model, (16, 32, 32, 3)
+
+
+FAMILIES = {
+    "mlp": mlp, "cnn": cnn, "unet": unet, "transformer": transformer,
+    "resnet50": resnet50, "mobilenetv2": mobilenetv2,
+}
+VARIANTS = {
+    "stock": (False, lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())),
+    "adaptive": (False, lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())),
+    "per_layer_100": (True, lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="per_layer")),
+    "per_layer_1": (True, lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="per_layer", update_every=1)),
+}
+
+
+def batch_for(model, shape, seed):
+    rng = np.random.default_rng(seed)
+    if model.inputs[0].dtype == "int32":
+        x = rng.integers(0, 1000, shape).astype("int32")
+    else:
+        x = rng.standard_normal(shape).astype("float32")
+    return x, rng.integers(0, CLASSES, shape[0]).astype("int32")
+
+
+def measure_family(family, jit_compile, steps, seed=0):
+    """Builds, compiles and times every variant of one family."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(seed)
+    reference, shape = FAMILIES[family]()
+    weights = reference.get_weights()
+    batch = batch_for(reference, shape, seed)
+    models, first, instrument_seconds, traces = {}, {}, None, {}
+    for name, (per_layer, make_optimizer) in VARIANTS.items():
+        keras.utils.set_random_seed(seed)
+        model, _ = FAMILIES[family]()
+        model.set_weights(weights)
+        if per_layer:
+            began = time.perf_counter()
+            model = tas.instrument(model)
+            instrument_seconds = time.perf_counter() - began
+        model.compile(
+            make_optimizer(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        traces[name] = 0
+        timing.count_traces(model, traces, name)
+        began = time.perf_counter()
+        model.train_on_batch(*batch)
+        first[name] = time.perf_counter() - began
+        for _ in range(2):
+            model.train_on_batch(*batch)
+        models[name] = model
+    warm_traces = dict(traces)
+    ratios = timing.interleave(models, batch, steps, seed)
+    result = {
+        name: dict(
+            ratios[name],
+            first_step=first[name] / first["stock"],
+            retraces=traces[name] - warm_traces[name],
+        )
+        for name in models
+    }
+    keras.backend.clear_session()
+    return {"ratios": result, "instrument_seconds": instrument_seconds,
+            "params": reference.count_params(), "batch": list(shape)}
+
+
+def markdown(results):
+    lines = [
+        "| family | XLA | adaptive | per-layer, every 100 | per-layer, every step "
+        "| first step: adaptive | first step: per-layer | `tas.instrument` (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (family, jit), r in results.items():
+        q = r["ratios"]
+        lines.append(
+            f"| {family} | {'yes' if jit else 'no'} "
+            f"| {q['adaptive']['wall_median']:.3f} "
+            f"| {q['per_layer_100']['wall_median']:.3f} "
+            f"| {q['per_layer_1']['wall_median']:.3f} "
+            f"| {q['adaptive']['first_step']:.2f} "
+            f"| {q['per_layer_100']['first_step']:.2f} "
+            f"| {r['instrument_seconds']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(path, table, results, args, seconds):
+    env = timing.environment()
+    retraced = {
+        f"{family}/{'xla' if jit else 'no-xla'}/{name}": q["retraces"]
+        for (family, jit), r in results.items()
+        for name, q in r["ratios"].items() if q["retraces"]
+    }
+    with open(path, "w") as f:
+        f.write("# Step-time cost per architecture\n\n")
+        f.write("Written by `PYTHONPATH=. python benchmarks/step_cost.py "
+                + " ".join(args) + f"` in {seconds:.0f} s.\n\n")
+        f.write("Medians of interleaved `train_on_batch` step times, as ratios to "
+                "the stock `keras.mixed_precision.LossScaleOptimizer` on the same "
+                "model (`mixed_float16`, `Adam()`); first step: tracing and "
+                "compiling included, ratio to stock's first step.\n\n")
+        f.write(table + "\n\n")
+        f.write("Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n")
+        f.write("Retraces during timing: " + (str(retraced) if retraced else "none") + "\n")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per variant")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--no-xla", dest="xla", action="store_const", const=(False,),
+                        default=(True, False), help="only jit_compile=False")
+    parser.add_argument("--xla-only", dest="xla", action="store_const", const=(True,),
+                        help="only jit_compile=True")
+    parser.add_argument("--threads", type=int, default=0, help="TensorFlow threads (0: default)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    args = parser.parse_args(argv)
+    timing.set_threads(args.threads)
+    began = time.perf_counter()
+    results = {}
+    for family in args.families.split(","):
+        for jit in args.xla:
+            results[(family, jit)] = measure_family(family, jit, args.steps)
+            print(f"  {family} (XLA {'on' if jit else 'off'}) done, "
+                  f"{time.perf_counter() - began:.0f} s", flush=True)
+    table = markdown(results)
+    print(table)
+    if args.out:
+        write_results(args.out, table, results, argv, time.perf_counter() - began)
+        print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
