@@ -41,6 +41,7 @@ import math
 import keras
 import ml_dtypes
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from tf_adaptive_scale import gradient_statistics as stats
@@ -174,13 +175,23 @@ class GradientScale(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, x, control, statistics):
-        return _boundary(
-            x, control, statistics, self.producer, self.consumer,
-            self.output_dtype or x.dtype,
-        )
+        def convert(values):
+            return _boundary(
+                values, control, statistics, self.producer, self.consumer,
+                self.output_dtype or values.dtype,
+            )
+
+        # A sparse or ragged tensor's gradient flows through its values.
+        if isinstance(x, tf.SparseTensor):
+            return tf.SparseTensor(x.indices, convert(x.values), x.dense_shape)
+        if isinstance(x, tf.RaggedTensor):
+            return x.with_flat_values(convert(x.flat_values))
+        return convert(x)
 
     def compute_output_spec(self, x, control, statistics):
-        return keras.KerasTensor(x.shape, self.output_dtype or x.dtype)
+        return keras.KerasTensor(
+            x.shape, self.output_dtype or x.dtype, sparse=x.sparse, ragged=x.ragged
+        )
 
     def compute_mask(self, x, mask=None):
         return mask

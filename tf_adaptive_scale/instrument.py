@@ -13,16 +13,21 @@ from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 def instrument(model, initial_scale=1.0):
     """Returns a model with per-layer gradient scales, sharing `model`'s weights.
 
-    Every layer becomes a unit with its own loss scale; a `GradientScale`
-    boundary on each graph edge converts gradients between the consumer's and
-    the producer's scales, so gradients meeting at a fork are summed at one
-    scale. Nested Sequential/Functional models are inlined (their layers become
-    units). Model outputs are cast to float32 by their boundaries, so the loss
+    Every layer, and every operation applied to symbolic tensors (`h + x`,
+    `keras.ops.tanh(h)`, the masks that `mask_zero`/`Masking` compute), becomes
+    a unit with its own loss scale; a `GradientScale` boundary on each graph
+    edge converts gradients between the consumer's and the producer's scales,
+    so gradients meeting at a fork are summed at one scale; masks pass through
+    the boundaries. Nested Sequential/Functional models are inlined (their
+    layers become units), except where a call passes them more than their
+    inputs, mask and `training=False`, or where their layer names would clash
+    with others (two sub-models from one factory with a named layer): such a
+    model is one unit. Operations sharing a variable share a unit. Model outputs are cast to float32 by their boundaries, so the loss
     gradient is scaled before any float16 rounding; gradients enter at the
     outputs and leave at the inputs at scale 1, so an instrumented model can
     be used as a block inside any model (a subclassed one included), with its
-    own scales. The original model is left as it is; both share the same
-    weight variables.
+    own scales, and keeps the original's `output_names`. The original model
+    is left as it is; both share the same weight variables.
 
     Train the result with `AdaptiveLossScaleOptimizer(..., scaling="per_layer")`.
 
@@ -84,20 +89,10 @@ def instrument(model, initial_scale=1.0):
     # outputs: an instrumented model nests in any model as a plain layer.
     producer_of = {id(x): LOSS_UNIT for x in keras.tree.flatten(inputs)}
 
-    def boundary(tensor, consumer, consumer_name, output_dtype=None):
+    def boundary(tensor, consumer, output_dtype=None):
         producer = producer_of.get(id(tensor))
         if producer is None or not _is_float(tensor):
             return tensor  # no gradient flows
-        if getattr(tensor, "sparse", False) or getattr(tensor, "ragged", False):
-            if producer == LOSS_UNIT and output_dtype is None:
-                return tensor  # a model input: no weight's gradient passes
-            raise ValueError(
-                f"Cannot instrument the edge from unit "
-                f"'{units[producer]}' to '{consumer_name}': it carries a "
-                "sparse or ragged tensor, which a gradient-scale boundary "
-                "cannot convert. Make it dense (e.g. keras.ops.convert_to_"
-                "tensor in a layer) or use the global adaptive scale."
-            )
         return GradientScale(producer, consumer, output_dtype=output_dtype)(
             tensor, control, statistics
         )
@@ -107,7 +102,7 @@ def instrument(model, initial_scale=1.0):
             return _run(op, args[0], call)  # inline nested models
         unit = unit_of[id(op)]
         args, kwargs = keras.tree.map_structure(
-            lambda t: boundary(t, unit, op.name) if _is_tensor(t) else t,
+            lambda t: boundary(t, unit) if _is_tensor(t) else t,
             (args, kwargs),
         )
         try:
@@ -125,7 +120,7 @@ def instrument(model, initial_scale=1.0):
 
     outputs = _run(model, inputs, call)
     outputs = keras.tree.map_structure(
-        lambda t: boundary(t, LOSS_UNIT, "loss", output_dtype="float32"), outputs
+        lambda t: boundary(t, LOSS_UNIT, output_dtype="float32"), outputs
     )
     output_names = getattr(model, "output_names", None)
     return InstrumentedModel(
@@ -148,6 +143,13 @@ class InstrumentedModel(keras.Model):
         inputs: Model inputs, as for a Functional model.
         outputs: Model outputs, as for a Functional model.
         name: Optional name.
+        output_names: Optional names of the outputs (the original model's,
+            which a loss or metric dict is keyed by); by default those of
+            the layers producing them, the boundaries.
+        unit_members: Optional dict from a unit's name to the names of all
+            the operations it holds, for units of several operations (that
+            share variables); other units hold the operation they are named
+            after.
 
     Returns:
         A Keras model.
@@ -159,6 +161,8 @@ class InstrumentedModel(keras.Model):
     """
 
     def __init__(self, *args, **kwargs):
+        output_names = kwargs.pop("output_names", None)
+        unit_members = kwargs.pop("unit_members", None)
         super().__init__(*args, **kwargs)
         tables = [l for l in self.layers if isinstance(l, ScaleTable)]
         if len(tables) != 1:
@@ -166,38 +170,75 @@ class InstrumentedModel(keras.Model):
                 "An InstrumentedModel needs exactly one ScaleTable layer; "
                 "build it with tas.instrument(model)."
             )
+        if output_names is not None:
+            output_names = list(output_names)
+            if len(output_names) != len(self.outputs):
+                raise ValueError(
+                    f"`output_names` has {len(output_names)} names for "
+                    f"{len(self.outputs)} outputs: {output_names}"
+                )
+            self.output_names = output_names
+        self._original_output_names = output_names
+        self.unit_members = dict(unit_members or {})
         self.scale_table = tables[0]
+        operations = {op.name: op for op in self.operations}
         for unit, name in enumerate(self.scale_table.unit_names):
             if unit == LOSS_UNIT:
                 continue
             # Frozen weights too: unfrozen later, their gradients carry the
             # unit's scale like any other.
-            for variable in self.get_layer(name).weights:
-                variable.gradient_scale_table = self.scale_table
-                variable.gradient_scale_unit = unit
+            # An operation can be absent: one that made the mask argument
+            # of an inlined model (whose layers take the mask their inputs
+            # carry).
+            for member in self.unit_members.get(name, [name]):
+                for variable in getattr(operations.get(member), "weights", []):
+                    variable.gradient_scale_table = self.scale_table
+                    variable.gradient_scale_unit = unit
+
+    def get_config(self):
+        config = super().get_config()
+        if self._original_output_names is not None:
+            config["output_names"] = list(self._original_output_names)
+        if self.unit_members:
+            config["unit_members"] = {
+                name: list(members) for name, members in self.unit_members.items()
+            }
+        return config
 
     def layer_scales(self):
         """The current scale of every layer (unit) by layer name."""
         return self.scale_table.scales()
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, optimizer=None, *args, **kwargs):
+        """Compiles for training with a per-layer optimizer, or, without an
+        optimizer (`optimizer=None`), for `evaluate`/`predict` only."""
         if (
             isinstance(optimizer, AdaptiveLossScaleOptimizer)
             and optimizer.scaling is None
         ):
             optimizer._resolve("per_layer")
-        if getattr(optimizer, "scaling", None) != "per_layer":
+        if optimizer is not None and getattr(optimizer, "scaling", None) != "per_layer":
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
                 "gradients: compile it with tas.AdaptiveLossScaleOptimizer(..., "
-                f"scaling='per_layer'). Received: optimizer={optimizer!r}"
+                "scaling='per_layer') (or with no optimizer, to evaluate "
+                f"only). Received: optimizer={optimizer!r}"
             )
         super().compile(optimizer, *args, **kwargs)
+
+    def train_step(self, *args, **kwargs):
+        if getattr(self, "optimizer", None) is None:
+            raise ValueError(
+                "This instrumented model was compiled without an optimizer, "
+                "for evaluation only. To train it, compile it with "
+                "tas.AdaptiveLossScaleOptimizer(..., scaling='per_layer')."
+            )
+        return super().train_step(*args, **kwargs)
 
     def compile_from_config(self, config):
         # Keras skips this for models whose compile() is overridden.
         self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
+        if self.built and self.optimizer is not None:
             self.optimizer.build(self.trainable_variables)
 
 
@@ -215,21 +256,156 @@ def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
 
 
-def _leaf_layers(model):
-    """Every layer of `model`, nested models expanded, each once, in order."""
-    seen, leaves = set(), []
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer):
+def _describe(op):
+    kind = "layer" if isinstance(op, keras.layers.Layer) else "operation"
+    return f"{kind} '{op.name}' ({type(op).__name__})"
+
+
+def _operations(model):
+    """The operations `model`'s graph calls, in order, its inputs excepted."""
+    if isinstance(model, keras.Sequential):
+        return list(model.layers)
+    return [
+        op for op in model.operations if not isinstance(op, keras.layers.InputLayer)
+    ]
+
+
+def _nodes(model):
+    """`(operation, node)` for every call in a Functional model's graph."""
+    if isinstance(model, keras.Sequential):
+        return []
+    return [
+        (node.operation, node)
+        for nodes in model._nodes_by_depth.values()
+        for node in nodes
+        if node.operation is not None and not node.is_input
+    ]
+
+
+def _inlinable_call(node):
+    """Whether a nested model's call can be replaced by its own graph.
+
+    Its layers then see what its `call` would give them: the inputs, their
+    masks (carried by the boundaries) and the outer `training` flag.
+    """
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if len(args) != 1 or set(kwargs) - {"training", "mask"}:
+        return False
+    # `training=True` holds when the outer call leaves `training` unset;
+    # its layers, inlined, would not see it.
+    if kwargs.get("training") not in (None, False):
+        return False
+    mask = kwargs.get("mask")
+    if mask is None:
+        return True
+    attached = keras.tree.map_structure(
+        lambda t: getattr(t, "_keras_mask", None), args[0]
+    )
+    flat_masks = keras.tree.flatten(mask)
+    flat_attached = keras.tree.flatten(attached)
+    return len(flat_masks) == len(flat_attached) and all(
+        m is None or m is a for m, a in zip(flat_masks, flat_attached)
+    )
+
+
+def _plan(model, input_names):
+    """Which nested models to inline, and the operations of each unit.
+
+    Nested Sequential/Functional models are inlined (their operations become
+    units) unless a call passes them more than their inputs, mask and
+    training flag, or inlining would put two operations of one name in the
+    graph (two sub-models from one factory with an explicitly named layer):
+    then the innermost model holding a clashing name stays whole, one unit.
+    Operations sharing a variable share a unit, so that its gradient is
+    summed at one scale.
+
+    Returns:
+        `(inlined, groups)`: ids of the inlined models, and the units as
+        lists of operations (the first names the unit), in graph order.
+    """
+    graphs, refused = [model], set()
+    for graph in graphs:  # grows while it is walked
+        for op, node in _nodes(graph):
+            if _is_graph(op) and not _inlinable_call(node):
+                refused.add(id(op))
+        for op in _operations(graph):
+            if isinstance(op, (ScaleTable, GradientScale)):
+                raise ValueError(
+                    "`model` is already instrumented (it holds gradient-scale "
+                    "boundaries); instrument the original model instead."
+                )
+            if _is_graph(op) and all(op is not g for g in graphs):
+                graphs.append(op)
+    inlined = {id(g) for g in graphs[1:] if id(g) not in refused}
+    fixed = {name: None for name in input_names}  # the new inputs' names
+    while True:
+        ops, parents = [], {}
+        _collect(model, None, inlined, ops, parents)
+        by_name = {}
+        for op in ops:
+            by_name.setdefault(op.name, {})[id(op)] = op
+        clashes = [
+            name
+            for name, same in by_name.items()
+            if len(same) > 1 or name in fixed
+        ]
+        if not clashes:
+            break
+        collapse = {
+            id(parent)
+            for name in clashes
+            for key in by_name[name]
+            for parent in parents[key]
+            if parent is not None
+        }
+        if not collapse:
+            raise ValueError(
+                f"Cannot instrument `model`: the name '{clashes[0]}' names "
+                "more than one operation or input of its graph, and the "
+                "instrumented model needs unique names. Rename one of them."
+            )
+        inlined -= collapse
+    return inlined, _group_by_variables(ops)
+
+
+def _collect(graph, parent, inlined, ops, parents):
+    """Appends the unit operations under `graph` (each once) to `ops`."""
+    for op in _operations(graph):
+        if id(op) in inlined:
+            _collect(op, op, inlined, ops, parents)
             continue
-        for leaf in _leaf_layers(layer) if _is_graph(layer) else [layer]:
-            if id(leaf) not in seen:
-                seen.add(id(leaf))
-                leaves.append(leaf)
-    return leaves
+        if id(op) not in parents:
+            ops.append(op)
+            parents[id(op)] = []
+        if all(p is not parent for p in parents[id(op)]):
+            parents[id(op)].append(parent)
+
+
+def _group_by_variables(ops):
+    """Units of operations: those sharing a variable are one unit."""
+    root = list(range(len(ops)))
+
+    def find(i):
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    owner = {}
+    for i, op in enumerate(ops):
+        for variable in getattr(op, "weights", []):
+            j = owner.setdefault(id(variable), i)
+            a, b = find(i), find(j)
+            if a != b:
+                root[max(a, b)] = min(a, b)
+    groups = {}
+    for i, op in enumerate(ops):
+        groups.setdefault(find(i), []).append(op)
+    return list(groups.values())
 
 
 def _run(model, inputs, call):
-    """Runs `model`'s graph on `inputs`, calling each layer through `call`."""
+    """Runs `model`'s graph on `inputs`, calling each operation through `call`."""
     if isinstance(model, keras.Sequential):
         x = inputs
         for layer in model.layers:
