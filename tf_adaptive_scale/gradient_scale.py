@@ -237,16 +237,22 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     # in a block, the layers they reach have their own checks.
     if producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
+    # Only the edge's two rows leave the conditional (a full table per edge
+    # would be materialised, and summed over edges, on every step); placing
+    # them in the table is a constant one-hot product XLA fuses into that sum.
     rows = ops.cond(
         control[-1] > 0,
-        lambda: _statistics(dy, control, statistics_shape[0], producer, consumer, input_dtype),
-        lambda: ops.zeros(statistics_shape, "float32"),
+        lambda: _statistics(dy, control, producer, consumer, input_dtype),
+        lambda: ops.zeros((2, statistics_shape[1]), "float32"),
     )
-    return dx, ops.zeros_like(control), rows
+    units = statistics_shape[0]
+    table = ops.one_hot(producer, units)[:, None] * rows[0][None, :]
+    table = table + ops.one_hot(consumer, units)[:, None] * rows[1][None, :]
+    return dx, ops.zeros_like(control), table
 
 
-def _statistics(dy, control, units, producer, consumer, input_dtype):
-    """This edge's `(units, NUM_COLUMNS)` contribution to the statistics."""
+def _statistics(dy, control, producer, consumer, input_dtype):
+    """This edge's statistics: its producer's row and its consumer's."""
     # One pass over dy, in its own dtype where it can: hoisting a float32
     # copy of dy out of the branch would cost every step.
     histogram, unscaled_peak = stats.exponent_histogram([dy], control[consumer])
@@ -282,5 +288,4 @@ def _statistics(dy, control, units, producer, consumer, input_dtype):
             ),
         ]
     )
-    rows = ops.one_hot(producer, units)[:, None] * producer_row[None, :]
-    return rows + ops.one_hot(consumer, units)[:, None] * consumer_row[None, :]
+    return ops.stack([producer_row, consumer_row])
