@@ -308,12 +308,7 @@ class PerLayerScaling(AdaptiveScaling):
     expected would overflow every unit in turn: then they drop below the
     lowest unit that backed off, and the next, measured step sets them all.
 
-    Args:
-        update_every: Steps between two measurements.
-        hysteresis: Consecutive overflows before the scales back off.
-        log2_min: Exponent of the smallest scale.
-        log2_max: Exponent of the largest scale.
-        max_rise: Optional most binades a scale may rise in one update.
+    Args: those of `AdaptiveScaling`, applied to every unit.
 
     Example:
 
