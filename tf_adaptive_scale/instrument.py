@@ -22,8 +22,9 @@ def instrument(model, initial_scale=1.0):
     layers become units), except where a call passes them more than their
     inputs, mask and `training=False`, or where their layer names would clash
     with others (two sub-models from one factory with a named layer): such a
-    model is one unit. Operations sharing a variable share a unit. Model outputs are cast to float32 by their boundaries, so the loss
-    gradient is scaled before any float16 rounding; gradients enter at the
+    model is one unit. Operations sharing a variable share a unit. Model
+    outputs are cast to float32 by their boundaries, so the loss gradient
+    is scaled before any float16 rounding; gradients enter at the
     outputs and leave at the inputs at scale 1, so an instrumented model can
     be used as a block inside any model (a subclassed one included), with its
     own scales, and keeps the original's `output_names`. The original model
