@@ -602,16 +602,22 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.gradient_zeros.assign(stats.zero_count(unscaled))
         self.gradient_max.assign(max_abs)
         self.gradient_norm.assign(clipping.global_norm(unscaled))
+        self.scale_window.assign(
+            ops.stack(
+                stats.scale_bounds(
+                    self._criterion_weights(histogram), max_abs, self.underflow_rate
+                )
+            )
+        )
 
     def _proposal(self):
         """The adaptive rule's exponent from the last measurement."""
-        log2_scale, low, high = stats.adaptive_log2_scale(
+        log2_scale, _, _ = stats.adaptive_log2_scale(
             self._criterion_weights(self.gradient_histogram),
             self.gradient_max,
             self.underflow_rate,
             math.log2(self.headroom),
         )
-        self.scale_window.assign(ops.stack([low, high]))
         return log2_scale, ops.sum(self.gradient_histogram) > 0
 
     def _criterion_weights(self, histogram):
