@@ -223,10 +223,11 @@ def main(argv=None):
             results[(family, jit)] = measure_family(family, jit, args.steps)
             print(f"  {family} (XLA {'on' if jit else 'off'}) done, "
                   f"{time.perf_counter() - began:.0f} s", flush=True)
-    table = markdown(results)
-    print(table)
+            if args.out:  # after every family: a long run keeps what it measured
+                write_results(args.out, markdown(results), results, argv,
+                              time.perf_counter() - began)
+    print(markdown(results))
     if args.out:
-        write_results(args.out, table, results, argv, time.perf_counter() - began)
         print(f"written to {args.out}")
 
 

@@ -142,27 +142,19 @@ class TableStep:
         """No boundary saw a non-finite gradient."""
         return ops.all(self.flags == 0)
 
-    def observation(self, grads, finite, loss_finite, quiet=False):
+    def observation(self, grads, finite, loss_finite):
         """What this step saw, per unit (O(N) work only on measured steps).
 
         Args:
             grads: The step's unscaled gradients, by position.
             finite: bool, the step's gradients were all finite.
             loss_finite: bool, its loss was finite.
-            quiet: The step is known to be applied and not measured: the
-                observation is constant.
 
         Returns:
             A `scale_policy.Observation`.
         """
         units = len(self.table.unit_names)
         none = ops.zeros((units,), "bool")
-        if quiet:
-            return scale_policy.Observation(
-                finite=True, loss_finite=True, measured=False,
-                proposed=ops.zeros((units,), "float32"), seen=_keep_loss_unit(none, True),
-                origins=none, involved=none, weight_only=none,
-            )
 
         def measure():
             weight_max = self._per_unit_max(
@@ -231,9 +223,6 @@ class TableStep:
             observation: This step's observation.
         """
         self.table.statistics.assign(self.statistics)
-        if observation.measured is False:  # a quiet step
-            self.table.measure.assign(ops.cast(scheduled_next, "float32"))
-            return
         # A table the optimizer has not driven before may not have measured.
         missed = scheduled & ~self.measured
         # A unit whose gradient all underflowed rises UNSEEN_STEP binades per

@@ -517,6 +517,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         finite = _all_finite([applied[i] for i in regular])
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
+        measure = ops.logical_and(scheduled, finite)
 
         def on_finite():
             apply_fn(applied)
@@ -525,44 +526,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         def on_non_finite():
             self.skipped_steps.assign_add(1)
 
-        # Two conditionals in a row, not nested: a branch holding only
-        # elementwise updates is one XLA turns into selects that fuse with the
-        # update (as for the stock optimizer); a nested measurement would keep
-        # the whole update inside a conditional.
+        # Two conditionals in a row, not nested: a branch of elementwise
+        # updates only is one XLA turns into selects fused with the update, as
+        # for the stock optimizer; a nested measurement would prevent that.
         ops.cond(finite, on_finite, on_non_finite)
-        ops.cond(
-            ops.logical_and(scheduled, finite),
-            lambda: self._measure(regular_grads),
-            lambda: None,
-        )
-        # Most steps are quiet (applied, not measured): their bookkeeping is
-        # the same code on a constant observation, which XLA folds to a few
-        # scalar updates; the rule and attribution run only on other steps.
-        quiet = ops.logical_and(
-            ops.logical_and(finite, loss_finite), ops.logical_not(scheduled)
-        )
-        for step in steps:
-            quiet = ops.logical_and(quiet, ops.logical_not(step.measured))
-        ops.cond(
-            quiet,
-            lambda: self._advance(state, steps, unscaled, True, True, False),
-            lambda: self._advance(
-                state, steps, unscaled, finite, loss_finite, scheduled
-            ),
-        )
-        self.non_finite_losses.assign(0.0)
-        self.total_steps.assign_add(1)
-        self.last_step_finite.assign(finite)
-
-    def _advance(self, state, steps, unscaled, finite, loss_finite, scheduled):
-        """Asks the policy for the next state and writes it (Python bools
-        for a quiet step, tensors otherwise)."""
-        measure = False if scheduled is False else ops.logical_and(scheduled, finite)
+        ops.cond(measure, lambda: self._measure(regular_grads), lambda: None)
         if steps:
             for step in steps:
-                observation = step.observation(
-                    unscaled, finite, loss_finite, quiet=scheduled is False
-                )
+                observation = step.observation(unscaled, finite, loss_finite)
                 new = step.advance(state, observation)
                 step.record(
                     scheduled, ops.equal(new.steps_to_measure, 0), observation
@@ -573,7 +544,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 log2_ceiling=state.log2_ceiling,
             )
         else:
-            proposed, seen = (0.0, False) if measure is False else self._proposal()
+            proposed, seen = self._proposal()
             new = self._policy.next_state(
                 state,
                 scale_policy.Observation(
@@ -585,6 +556,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 ),
             )
         self._write_state(new, measure)
+        self.non_finite_losses.assign(0.0)
+        self.total_steps.assign_add(1)
+        self.last_step_finite.assign(finite)
 
     def _write_state(self, state, measured):
         self.dynamic_scale.assign(stats.pow2(state.log2_scale))
@@ -593,8 +567,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.overflow_streak.assign(state.overflow_streak)
         self.steps_to_measure.assign(state.steps_to_measure)
         self.calibrated.assign(state.calibrated)
-        if measured is False:
-            return
         # Reported at the scale the next steps use.
         self.underflow_fraction.assign(
             ops.where(
