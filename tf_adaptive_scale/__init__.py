@@ -7,16 +7,30 @@ from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
 from tf_adaptive_scale.instrument import InstrumentedModel
 from tf_adaptive_scale.instrument import instrument
+from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Imported on first use: `python -m tf_adaptive_scale.report` must not
+    # find the module already imported by the package.
+    if name == "plot_report":
+        from tf_adaptive_scale.report import plot_report
+
+        return plot_report
+    raise AttributeError(f"module 'tf_adaptive_scale' has no attribute {name!r}")
+
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
     "GradientScale",
     "InstrumentedModel",
+    "ScaleMonitor",
     "ScaleTable",
     "instrument",
+    "plot_report",
     "clipping",
     "gradient_statistics",
     "scale_policy",

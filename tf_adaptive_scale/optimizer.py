@@ -66,7 +66,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     `gradient_norm`, `underflow_fraction`, `scale_window`) are measured every
     `update_every` steps in every mode; other steps pay for none of them.
     `underflow_fraction` counts exact zeros as underflowed: float16 cannot
-    tell a gradient lost to underflow from a true zero.
+    tell a gradient lost to underflow from a true zero. Per trainable
+    variable (in the order of `model.trainable_variables`), the same
+    measurement keeps `variable_gradient_norms` and
+    `variable_gradient_histograms`; `measurements` counts measured steps and
+    `measured_step` is the last one (`tas.ScaleMonitor` reads them all).
 
     Clipping acts on unscaled gradients, in this order: AGC, `clipvalue`,
     `clipnorm`, `global_clipnorm`, AutoClip. `clipped_steps` counts the steps
@@ -317,6 +321,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.underflow_fraction = self._state("underflow_fraction", 0.0)
         self.scale_window = self._state("scale_window", 0.0, shape=(2,))
         self.gradient_norm = self._state("gradient_norm", 0.0)
+        # Per trainable variable, of the last measured step: for monitoring.
+        self.variable_gradient_norms = self._state(
+            "variable_gradient_norms", 0.0, shape=(len(var_list),)
+        )
+        self.variable_gradient_histograms = self._state(
+            "variable_gradient_histograms", 0.0, shape=(len(var_list), stats.NUM_BINS)
+        )
+        self.measurements = self._state("measurements", 0, dtype="int64")
+        self.measured_step = self._state("measured_step", -1, dtype="int64")
         self.clipped_steps = self._state("clipped_steps", 0, dtype="int64")
         if self.autoclip_percentile is not None:
             rows = (len(var_list),) if self.autoclip_per_variable else ()
@@ -530,7 +543,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # updates only is one XLA turns into selects fused with the update, as
         # for the stock optimizer; a nested measurement would prevent that.
         ops.cond(finite, on_finite, on_non_finite)
-        ops.cond(measure, lambda: self._measure(regular_grads), lambda: None)
+        ops.cond(
+            measure,
+            lambda: self._measure(regular_grads, [variables[i] for i in regular]),
+            lambda: None,
+        )
         if steps:
             for step in steps:
                 observation = step.observation(unscaled, finite, loss_finite)
@@ -596,13 +613,25 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             table, statistics, members, rule, self._policy
         )
 
-    def _measure(self, unscaled):
-        """Records the statistics of a finite step's unscaled gradients."""
-        histogram, max_abs = stats.exponent_histogram(unscaled)
+    def _measure(self, unscaled, variables):
+        """Records the statistics of a finite step's unscaled gradients, per
+        variable and in total (one pass over each gradient)."""
+        per_variable = [stats.exponent_histogram([g]) for g in unscaled]
+        histograms = ops.stack([h for h, _ in per_variable])
+        histogram = ops.sum(histograms, axis=0)
+        max_abs = ops.max(ops.stack([m for _, m in per_variable]))
+        norms = ops.stack([clipping.global_norm([g]) for g in unscaled])
+        rows = [[self._get_variable_index(v)] for v in variables]
+        self.variable_gradient_histograms.assign(
+            ops.scatter_update(self.variable_gradient_histograms, rows, histograms)
+        )
+        self.variable_gradient_norms.assign(
+            ops.scatter_update(self.variable_gradient_norms, rows, norms)
+        )
         self.gradient_histogram.assign(histogram)
         self.gradient_zeros.assign(stats.zero_count(unscaled))
         self.gradient_max.assign(max_abs)
-        self.gradient_norm.assign(clipping.global_norm(unscaled))
+        self.gradient_norm.assign(ops.sqrt(ops.sum(ops.square(norms))))
         self.scale_window.assign(
             ops.stack(
                 stats.scale_bounds(
@@ -610,6 +639,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 )
             )
         )
+        self.measurements.assign_add(1)
+        self.measured_step.assign(self.total_steps)
 
     def _proposal(self):
         """The adaptive rule's exponent from the last measurement."""

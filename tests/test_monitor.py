@@ -1,0 +1,247 @@
+"""ScaleMonitor: logs, TensorBoard, JSON lines and diagnosis, read back and
+checked against independently computed gradients."""
+
+import json
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adaptive_scale as tas
+from tf_adaptive_scale import monitor as monitor_lib
+
+
+def mlp(width=16, depth=2, activation="relu", inputs=8, seed=0):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((inputs,))
+    h = x
+    for i in range(depth):
+        h = keras.layers.Dense(width, activation=activation, name=f"hidden_{i}")(h)
+    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+
+
+def data(n=64, inputs=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, inputs)).astype("float32")
+    return x, (x[:, :1] * 0.5).astype("float32")
+
+
+@pytest.fixture
+def float16_policy():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def fit(model, monitor, steps_per_execution=1, epochs=2, update_every=5, **opt_args):
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.01), update_every=update_every, **opt_args)
+    model.compile(opt, "mse", jit_compile=True, steps_per_execution=steps_per_execution)
+    x, y = data()
+    return model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[monitor]), opt
+
+
+def test_history_has_the_documented_keys_with_the_optimizer_values(float16_policy, tmp_path):
+    model = mlp()
+    monitor = tas.ScaleMonitor(every_n_steps=5, log_dir=str(tmp_path), verbose=0)
+    history, opt = fit(model, monitor, clipnorm=1e-3)
+    keys = history.history
+    for key in ("scale/loss_scale", "scale/skipped_steps", "scale/skipped_since_last",
+                "scale/grad_norm", "scale/clip_rate"):
+        assert len(keys[key]) == 2, key
+    for layer in ("hidden_0", "hidden_1", "head"):
+        for metric in ("grad_norm", "scale", "underflow", "overflow"):
+            assert f"layer/{layer}/{metric}" in keys
+    assert keys["scale/loss_scale"][-1] == float(opt.loss_scale)
+    assert keys["scale/skipped_steps"][-1] == int(opt.skipped_steps)
+    assert keys["scale/grad_norm"][-1] == pytest.approx(float(opt.gradient_norm))
+    assert keys["scale/clip_rate"][-1] == pytest.approx(1.0)  # clipnorm 1e-3 always acts
+    # Per-layer norms add up (in squares) to the optimizer's global norm.
+    total = sum(keys[f"layer/{n}/grad_norm"][-1] ** 2 for n in ("hidden_0", "hidden_1", "head"))
+    assert math.sqrt(total) == pytest.approx(float(opt.gradient_norm), rel=1e-5)
+
+
+def test_layer_norms_equal_an_independent_float32_gradient():
+    """Custom loop, float32: the monitor's per-layer norms are those of the
+    gradients a separate tape computes."""
+    model = mlp()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), scaling="none")
+    x, y = data()
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x)))
+    grads = tape.gradient(loss, variables)
+    opt.apply(grads, variables)
+    monitor = tas.ScaleMonitor(optimizer=opt, verbose=0)
+    record = monitor.log(1)
+    for layer in ("hidden_0", "hidden_1", "head"):
+        expected = math.sqrt(sum(
+            float(np.sum(np.square(g.numpy()))) for g, v in zip(grads, variables)
+            if v.path.startswith(layer + "/")))
+        assert record["layers"][layer]["grad_norm"] == pytest.approx(expected, rel=1e-5)
+        assert "underflow" not in record["layers"][layer]  # no float16 scaling
+    hist = np.asarray(record["layers"]["head"]["histogram"])
+    head = [g.numpy() for g, v in zip(grads, variables) if v.path.startswith("head/")]
+    values = np.abs(np.concatenate([g.ravel() for g in head]))
+    values = values[values > 0]
+    expected = np.bincount(np.floor(np.log2(values)).astype(int) - monitor_lib.stats.EXPONENT_MIN,
+                           minlength=hist.size)
+    np.testing.assert_array_equal(hist, expected)
+
+
+def test_tensorboard_events_hold_the_recorded_values(float16_policy, tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    model = mlp()
+    monitor = tas.ScaleMonitor(every_n_steps=4, log_dir=str(tmp_path), verbose=0)
+    fit(model, monitor)
+    events = event_accumulator.EventAccumulator(
+        str(tmp_path), size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    tags = events.Tags()["tensors"]
+    record = monitor.records[-1]
+    for layer in ("hidden_0", "head"):
+        scalar = events.Tensors(f"layer/{layer}/grad_norm")
+        assert [e.step for e in scalar] == [r["step"] for r in monitor.records]
+        assert float(tf.make_ndarray(scalar[-1].tensor_proto)) == pytest.approx(
+            record["layers"][layer]["grad_norm"], rel=1e-6)
+        tag = f"layer/{layer}/exponents"
+        assert tag in tags
+        assert events.SummaryMetadata(tag).plugin_data.plugin_name == "histograms"
+        buckets = tf.make_ndarray(events.Tensors(tag)[-1].tensor_proto)
+        np.testing.assert_array_equal(buckets[:, 2], record["layers"][layer]["histogram"])
+        assert buckets[0, 0] == monitor_lib.stats.EXPONENT_MIN
+    lines = (tmp_path / monitor_lib.JSON_LINES_FILE).read_text().splitlines()
+    parsed = [json.loads(line) for line in lines]
+    assert [p["step"] for p in parsed] == [r["step"] for r in monitor.records]
+    assert parsed[-1]["layers"]["head"]["grad_norm"] == record["layers"]["head"]["grad_norm"]
+
+
+def test_steps_per_execution_reports_on_schedule(float16_policy):
+    model = mlp()
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    history, opt = fit(model, monitor, steps_per_execution=4, epochs=2)
+    # 8 steps an epoch, executions of 4: reports every 4 steps, 16 in all.
+    assert [r["step"] for r in monitor.records] == [4, 8, 12, 16]
+    assert int(opt.total_steps) == 16
+    assert "scale/loss_scale" in history.history
+
+
+def test_statistics_are_computed_only_on_measured_steps(float16_policy):
+    """Counted, not timed: the per-variable statistics run once per measured
+    step however often the monitor reads them."""
+    model = mlp()
+    monitor = tas.ScaleMonitor(every_n_steps=1, verbose=0)
+    _, opt = fit(model, monitor, epochs=4, update_every=10)  # 32 steps
+    assert int(opt.measurements) == 4  # steps 0, 10, 20, 30
+    assert int(opt.measured_step) == 30
+    assert len(monitor.records) == 32
+    assert {r["measured_step"] for r in monitor.records} == {0, 10, 20, 30}
+
+
+def test_per_layer_mode_reports_each_unit_scale(float16_policy):
+    model = tas.instrument(mlp())
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), scaling="per_layer",
+                                         update_every=4)
+    model.compile(opt, "mse", jit_compile=True)
+    x, y = data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    scales = opt.layer_scales()
+    record = monitor.records[-1]
+    for layer in ("hidden_0", "hidden_1", "head"):
+        assert record["layers"][layer]["scale"] == scales[layer]
+        assert record["layers"][layer]["grad_norm"] > 0
+
+
+def deep_sigmoid(depth=14):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    h = x
+    for i in range(depth):
+        h = keras.layers.Dense(8, activation="sigmoid", name=f"sig_{i}")(h)
+    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+
+
+def test_vanishing_gradients_are_flagged_at_the_early_layers(float16_policy):
+    monitor = tas.ScaleMonitor(every_n_steps=2, verbose=0)
+    with pytest.warns(RuntimeWarning, match="vanishing|below"):
+        fit(deep_sigmoid(), monitor, epochs=2, update_every=2)
+    vanishing = {f["layer"] for f in monitor.flags if f["kind"] == "vanishing"}
+    assert "sig_0" in vanishing and "head" not in vanishing
+    assert "sig_0" in monitor.summary()
+
+
+def test_a_healthy_run_warns_nothing(float16_policy):
+    monitor = tas.ScaleMonitor(every_n_steps=2, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fit(mlp(), monitor, epochs=4, update_every=2)
+    assert monitor.flags == []
+    assert "No layer flagged" in monitor.summary()
+
+
+def test_exploding_gradient_is_flagged_naming_the_layer():
+    model = mlp()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-3), update_every=1)
+    monitor = tas.ScaleMonitor(optimizer=opt, verbose=0)
+    x, y = data()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x)))
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    for i in range(8):
+        step(x, y)
+        monitor.log(i + 1)
+    assert monitor.flags == []
+    with pytest.warns(RuntimeWarning, match="hidden_0"):
+        step(x * 1e4, y)  # a wild batch: the first layer's gradient jumps
+        monitor.log(9)
+    exploding = [f for f in monitor.flags if f["kind"] == "exploding"]
+    assert exploding and exploding[0]["layer"] == "hidden_0" and exploding[0]["step"] == 9
+
+
+def test_layers_that_never_update_and_skipped_runs_are_flagged():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    dead = keras.layers.Dense(4, name="dead")(x)
+    out = keras.layers.Dense(1, name="head")(x + 0.0 * keras.ops.sum(dead, axis=-1, keepdims=True))
+    model = keras.Model(x, out)
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-3), update_every=1)
+    monitor = tas.ScaleMonitor(optimizer=opt, verbose=0, skipped_run=3)
+    xs, ys = data()
+    variables = model.trainable_variables
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(ys, model(xs)))
+        opt.apply(tape.gradient(loss, variables), variables)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            monitor.log(i + 1)
+    assert [f["layer"] for f in monitor.flags if f["kind"] == "never_updates"] == ["dead"]
+    for i in range(3):
+        opt.apply([tf.fill(v.shape, np.nan) for v in variables], variables)
+    with pytest.warns(RuntimeWarning, match="3 steps skipped"):
+        monitor.log(7)
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        tas.ScaleMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="vanishing_ratio"):
+        tas.ScaleMonitor(vanishing_ratio=-1)
+    monitor = tas.ScaleMonitor(optimizer=keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="AdaptiveLossScaleOptimizer"):
+        monitor.log(1)
+
+
+def test_config_round_trips():
+    monitor = tas.ScaleMonitor(every_n_steps=7, log_dir="x", patience=2, exploding_zscore=4.0)
+    clone = tas.ScaleMonitor.from_config(monitor.get_config())
+    assert clone.get_config() == monitor.get_config()

@@ -1,0 +1,185 @@
+"""plot_report writes titled PNG pictures from a monitor log or a History."""
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from PIL import Image
+
+from tf_adaptive_scale.report import float16_zones
+from tf_adaptive_scale.report import plot_report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TITLES = {
+    "scales.png": "Loss scale per layer",
+    "gradient_norms.png": "Gradient norm per layer",
+    "histograms.png": "Gradient exponents vs float16 range",
+    "loss_and_skips.png": "Loss and skipped steps",
+}
+LAYERS = ("dense", "block/conv2d", "head")  # "head"'s gradients vanish.
+EXPONENT_MIN = -88
+BINS = 128
+
+
+def histogram(grads):
+    """Counts of floor(log2|g|) per exponent bin, as the monitor records them."""
+    exponents = np.floor(np.log2(np.abs(grads[grads != 0]))).astype(int) - EXPONENT_MIN
+    return np.bincount(np.clip(exponents, 0, BINS - 1), minlength=BINS).astype(float).tolist()
+
+
+def records(reports=10, every=100):
+    rng = np.random.default_rng(0)
+    skipped = 0
+    for i in range(reports):
+        step = (i + 1) * every
+        skipped_at = [step - 7, step - 6] if i in (2, 6) else []
+        skipped += len(skipped_at)
+        scale = 2.0 ** (15 - i // 3)
+        layers = {}
+        vanishing = 10.0 ** (-4 * i) if i < reports - 1 else 0.0
+        for name, magnitude in zip(LAYERS, (1e-3, 1e-5, vanishing)):
+            grads = rng.standard_normal(1000) * magnitude
+            layers[name] = {
+                "grad_norm": float(np.linalg.norm(grads)),
+                "scale": scale,
+                "underflow": float(np.mean(np.abs(grads * scale) < 2.0**-24)),
+                "overflow": 0.0,
+                "histogram": histogram(grads),
+            }
+        yield {
+            "step": step,
+            "epoch": i // 5,
+            "loss": None if i == 4 else 1.0 / (i + 1),
+            "loss_scale": scale,
+            "skipped_steps": skipped,
+            "skipped_since_last": len(skipped_at),
+            "grad_norm": float(np.sqrt(sum(l["grad_norm"] ** 2 for l in layers.values()))),
+            "clip_rate": 0.0,
+            "skipped_at": skipped_at,
+            "exponent_min": EXPONENT_MIN,
+            "layers": layers,
+        }
+
+
+@pytest.fixture
+def log_dir(tmp_path):
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    with open(directory / "scale_monitor.jsonl", "w") as f:
+        for record in records():
+            f.write(json.dumps(record) + "\n")
+    return directory
+
+
+def history_dict(epochs=4):
+    history = {
+        "loss": [1.0, 0.5, 0.4, 0.3][:epochs],
+        "scale/loss_scale": [1.0] * epochs,
+        "scale/skipped_steps": [0, 2, 2, 5][:epochs],
+        "scale/grad_norm": [1.0] * epochs,
+        "scale/clip_rate": [0.0] * epochs,
+    }
+    for name in LAYERS:
+        history[f"layer/{name}/grad_norm"] = [1e-3, 1e-4, 0.0, 1e-6][:epochs]
+        history[f"layer/{name}/scale"] = [2.0**10, 2.0**12, 2.0**12, 2.0**11][:epochs]
+        history[f"layer/{name}/underflow"] = [0.0] * epochs
+        history[f"layer/{name}/overflow"] = [0.0] * epochs
+    return history
+
+
+def assert_pictures(paths, out_dir, names):
+    assert [str(p) for p in paths] == [str(out_dir / name) for name in names]
+    for path in paths:
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG_SIGNATURE
+        with Image.open(path) as image:
+            assert image.size[0] > 100 and image.size[1] > 100
+            assert image.text["Title"] == TITLES[out_dir.joinpath(path).name]
+
+
+def test_jsonl_file_gives_four_titled_pictures(log_dir, tmp_path):
+    out = tmp_path / "out"
+    paths = plot_report(log_dir / "scale_monitor.jsonl", out)
+    assert_pictures(paths, out, list(TITLES))
+
+
+def test_directory_form(log_dir, tmp_path):
+    out = tmp_path / "out"
+    assert_pictures(plot_report(str(log_dir), str(out)), out, list(TITLES))
+
+
+@pytest.mark.parametrize("as_object", [False, True])
+def test_history_gives_pictures_without_histograms(tmp_path, as_object):
+    source = history_dict()
+    if as_object:
+        source = keras.callbacks.History()
+        source.history = history_dict()
+    out = tmp_path / "out"
+    paths = plot_report(source, out)
+    assert_pictures(paths, out, ["scales.png", "gradient_norms.png", "loss_and_skips.png"])
+    assert not (out / "histograms.png").exists()
+
+
+def test_many_layers_are_drawn_and_listed(tmp_path):
+    """More layers than the legend (12) and the histogram panels (16) take."""
+    with open(tmp_path / "many.jsonl", "w") as f:
+        for record in records():
+            for i in range(20):
+                record["layers"][f"model/block_{i}/conv"] = record["layers"]["dense"]
+            f.write(json.dumps(record) + "\n")
+    out = tmp_path / "out"
+    assert_pictures(plot_report(tmp_path / "many.jsonl", out), out, list(TITLES))
+
+
+def test_command_line(log_dir, tmp_path):
+    out = tmp_path / "cli"
+    result = subprocess.run(
+        [sys.executable, "-m", "tf_adaptive_scale.report", str(log_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.split()
+    assert printed == [str(out / name) for name in TITLES]
+    assert_pictures(printed, out, list(TITLES))
+
+
+def test_missing_log_names_the_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        plot_report(missing, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="scale_monitor.jsonl"):
+        plot_report(tmp_path, tmp_path / "out")
+
+
+def test_float16_zones_are_where_float16_loses_values():
+    underflow, overflow = float16_zones()
+    assert (underflow, overflow) == (-24, 16)
+    assert np.float16(2.0**underflow) > 0  # The smallest subnormal.
+    assert np.float16(2.0 ** (underflow - 1)) == 0  # Half of it rounds to zero.
+    assert np.isfinite(np.float16(2.0**overflow - 2.0 ** (overflow - 11)))  # 65504.
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float16(2.0**overflow))
+
+
+def test_histograms_are_shifted_by_the_scale_and_shaded_at_float16_limits(log_dir):
+    from matplotlib.figure import Figure
+
+    from tf_adaptive_scale import report
+
+    fig = Figure()
+    report._draw_histograms(fig, report._load(log_dir))
+    ax = fig.axes[0]
+    assert ax.get_title() == "dense"
+    last = list(records())[-1]
+    counts = np.array(last["layers"]["dense"]["histogram"])
+    shift = EXPONENT_MIN + np.log2(last["loss_scale"])
+    bars = [p for p in ax.patches if p.get_label() == "_nolegend_" and p.get_height() > 0]
+    assert sorted(p.get_x() for p in bars) == list(np.flatnonzero(counts) + shift)
+    spans = {p.get_label(): p for p in ax.patches if p.get_label().startswith("float16")}
+    underflow = spans["float16 underflow"]
+    assert underflow.get_x() + underflow.get_width() == -24
+    assert spans["float16 overflow"].get_x() == 16

@@ -1,0 +1,422 @@
+"""ScaleMonitor: the loss scale, skipped steps and per-layer gradients, made
+visible (logs, TensorBoard, JSON lines) and diagnosed.
+
+The numbers come from the real training step: the optimizer measures every
+`update_every` steps, inside the compiled step and in fixed-size variables
+(per variable: gradient norm and exponent histogram of the unscaled
+gradients). The monitor reads them from the host every `every_n_steps`, so
+other steps pay nothing, and names them by layer.
+"""
+
+import collections
+import json
+import math
+import os
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_adaptive_scale import gradient_statistics as stats
+
+JSON_LINES_FILE = "scale_monitor.jsonl"
+# float16: values below 2**-24 underflow to zero, from 2**16 they overflow.
+FLOAT16_UNDERFLOW_EXPONENT = stats.FLOAT16_SUBNORMAL_EXPONENT
+FLOAT16_OVERFLOW_EXPONENT = 16
+
+
+def layer_of(variable):
+    """The name of the layer (per-layer unit) a trainable variable belongs to."""
+    table = getattr(variable, "gradient_scale_table", None)
+    if table is not None:
+        return table.unit_names[variable.gradient_scale_unit]
+    path = getattr(variable, "path", variable.name)
+    return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def float16_fractions(histogram, log2_scale):
+    """Fractions of a histogram's values that underflow and overflow float16
+    once multiplied by `2**log2_scale`.
+
+    Args:
+        histogram: Exponent histogram (`gradient_statistics` bins).
+        log2_scale: Exponent of the scale the values are held at.
+
+    Returns:
+        A tuple of floats `(underflow, overflow)`; zeros for an empty one.
+    """
+    histogram = np.asarray(histogram, np.float64)
+    total = histogram.sum()
+    if total == 0:
+        return 0.0, 0.0
+    exponents = np.arange(histogram.size) + stats.EXPONENT_MIN + log2_scale
+    under = histogram[exponents < FLOAT16_UNDERFLOW_EXPONENT].sum() / total
+    over = histogram[exponents >= FLOAT16_OVERFLOW_EXPONENT].sum() / total
+    return float(under), float(over)
+
+
+@keras.saving.register_keras_serializable(package="tf_adaptive_scale")
+class ScaleMonitor(keras.callbacks.Callback):
+    """Logs the loss scale and per-layer gradients, and warns of trouble.
+
+    Every `every_n_steps` (and at each epoch's end) it reads what the
+    `AdaptiveLossScaleOptimizer` measured on its last measured step and:
+    adds scalar keys to `logs` (`scale/loss_scale`, `scale/skipped_steps`,
+    `scale/skipped_since_last`, `scale/grad_norm`, `scale/clip_rate`, and
+    per layer `layer/<name>/grad_norm`, `.../scale`, `.../underflow`,
+    `.../overflow`), so `History`, `CSVLogger` and callbacks after it see
+    them; writes them, with each layer's gradient-exponent histogram, to
+    TensorBoard in `log_dir`; appends a JSON line to
+    `log_dir/scale_monitor.jsonl` (begun afresh by each monitor;
+    `tas.plot_report(log_dir, out_dir)` draws it). Without float16 scaling (bfloat16,
+    float32) underflow and overflow are left out.
+
+    Diagnosis, on each new measurement, warns once per layer and kind:
+    vanishing gradients (a layer's norm below `vanishing_ratio` times the
+    largest layer norm for `patience` measurements, or fallen
+    `vanishing_orders` orders of magnitude within `window`), exploding ones
+    (log10 norm `exploding_zscore` standard deviations and a factor
+    `exploding_factor` above its recent history), layers whose gradient is
+    always zero, persistent underflow (above `underflow_warning` for
+    `patience` measurements) and runs of `skipped_run` skipped steps between
+    two reports. `flags` keeps them; training's end prints a summary.
+
+    Args:
+        every_n_steps: Steps between two reports.
+        log_dir: Optional directory for TensorBoard events and JSON lines.
+        json_lines: Write `scale_monitor.jsonl` into `log_dir`.
+        optimizer: The optimizer, for custom loops (`model.fit` uses the
+            model's).
+        per_layer_logs: Add the per-layer keys to `logs`.
+        window: Measurements of history per layer.
+        patience: Consecutive measurements before a lasting condition warns.
+        vanishing_ratio: See above.
+        vanishing_orders: See above.
+        exploding_zscore: See above.
+        exploding_factor: See above.
+        underflow_warning: See above.
+        skipped_run: See above.
+        verbose: 0 to print nothing at the end of training.
+
+    Example:
+
+    >>> monitor = tas.ScaleMonitor(every_n_steps=100, log_dir="logs")
+    >>> model.fit(x, y, callbacks=[monitor])
+    >>> monitor.flags  # what the diagnosis found
+    """
+
+    def __init__(
+        self,
+        every_n_steps=100,
+        log_dir=None,
+        json_lines=True,
+        optimizer=None,
+        per_layer_logs=True,
+        window=20,
+        patience=3,
+        vanishing_ratio=1e-6,
+        vanishing_orders=4.0,
+        exploding_zscore=6.0,
+        exploding_factor=10.0,
+        underflow_warning=0.05,
+        skipped_run=5,
+        verbose=1,
+    ):
+        super().__init__()
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(
+                f"`every_n_steps` must be a positive int. Received: {every_n_steps!r}"
+            )
+        for name, value in (("window", window), ("patience", patience),
+                            ("skipped_run", skipped_run)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int. Received: {value!r}")
+        for name, value in (("vanishing_ratio", vanishing_ratio),
+                            ("vanishing_orders", vanishing_orders),
+                            ("exploding_zscore", exploding_zscore),
+                            ("exploding_factor", exploding_factor),
+                            ("underflow_warning", underflow_warning)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`{name}` must be a positive number. Received: {value!r}")
+        self.every_n_steps = every_n_steps
+        self.log_dir = log_dir
+        self.json_lines = json_lines
+        self.per_layer_logs = per_layer_logs
+        self.window = window
+        self.patience = patience
+        self.vanishing_ratio = vanishing_ratio
+        self.vanishing_orders = vanishing_orders
+        self.exploding_zscore = exploding_zscore
+        self.exploding_factor = exploding_factor
+        self.underflow_warning = underflow_warning
+        self.skipped_run = skipped_run
+        self.verbose = verbose
+        self._optimizer = optimizer
+        self.flags = []
+        self.records = []
+        self._history = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self._streaks = collections.Counter()
+        self._flagged = set()
+        self._writer = None
+        self._last = {"step": 0, "skipped": 0, "clipped": 0, "measurements": 0}
+        self._steps_before_epoch = 0
+        self._step = 0
+
+    @property
+    def optimizer(self):
+        optimizer = self._optimizer or getattr(self.model, "optimizer", None)
+        if not hasattr(optimizer, "variable_gradient_norms"):
+            raise ValueError(
+                "ScaleMonitor needs a built tas.AdaptiveLossScaleOptimizer (the "
+                "model's, or `optimizer=`). Received: "
+                f"{type(optimizer).__name__}"
+            )
+        return optimizer
+
+    # Keras hooks.
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        # With steps_per_execution > 1, `batch` is the execution's last step.
+        self._step = self._steps_before_epoch + batch + 1
+        if self._step - self._last["step"] >= self.every_n_steps:
+            self._report(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._steps_before_epoch = self._step
+        if self._step > self._last["step"]:
+            self._report(logs)
+        elif logs is not None and self.records:
+            logs.update(self._flat(self.records[-1]))
+
+    def on_train_end(self, logs=None):
+        if self.verbose:
+            print(self.summary())
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _report(self, logs):
+        loss = None if logs is None else logs.get("loss")
+        record = self.log(self._step, loss=loss, epoch=getattr(self, "_epoch", 0))
+        if logs is not None:
+            logs.update(self._flat(record))
+
+    # The work.
+
+    def log(self, step, loss=None, epoch=0):
+        """Reads the optimizer's state now and reports it (custom loops).
+
+        Args:
+            step: The number of training steps done.
+            loss: Optional loss value to record.
+            epoch: Optional epoch to record.
+
+        Returns:
+            The report, a dict (the JSON line's content).
+        """
+        opt = self.optimizer
+        variables = opt._trainable_variables
+        norms = opt.variable_gradient_norms.numpy()
+        histograms = opt.variable_gradient_histograms.numpy()
+        global_log2 = math.log2(float(opt.loss_scale.numpy()))
+        float16 = opt.scaling != "none"
+        layers = {}
+        for i, v in enumerate(variables):
+            if hasattr(v, "scale_table"):
+                continue  # an instrumented model's statistics
+            layer = layers.setdefault(
+                layer_of(v), {"sq": 0.0, "histogram": 0.0, "log2_scale": global_log2}
+            )
+            layer["sq"] += float(norms[i]) ** 2
+            layer["histogram"] = layer["histogram"] + histograms[i]
+            table = getattr(v, "gradient_scale_table", None)
+            if table is not None:
+                layer["log2_scale"] = float(table.log2_scales.numpy()[v.gradient_scale_unit])
+        skipped = int(opt.skipped_steps.numpy())
+        clipped = int(opt.clipped_steps.numpy())
+        measurements = int(opt.measurements.numpy())
+        steps = max(step - self._last["step"], 1)
+        record = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "loss": None if loss is None else float(loss),
+            "loss_scale": 2.0**global_log2,
+            "skipped_steps": skipped,
+            "skipped_since_last": skipped - self._last["skipped"],
+            "grad_norm": float(opt.gradient_norm.numpy()),
+            "clip_rate": (clipped - self._last["clipped"]) / steps,
+            "measured_step": int(opt.measured_step.numpy()),
+            "exponent_min": stats.EXPONENT_MIN,
+            "layers": {},
+        }
+        for name, layer in layers.items():
+            histogram = np.asarray(layer["histogram"], np.float64) * np.ones(stats.NUM_BINS)
+            entry = {
+                "grad_norm": math.sqrt(layer["sq"]),
+                "scale": 2.0 ** layer["log2_scale"],
+                "histogram": histogram.tolist(),
+            }
+            if float16:
+                entry["underflow"], entry["overflow"] = float16_fractions(
+                    histogram, layer["log2_scale"]
+                )
+            record["layers"][name] = entry
+        new_measurement = measurements > self._last["measurements"]
+        self._last = {"step": step, "skipped": skipped, "clipped": clipped,
+                      "measurements": measurements}
+        self._diagnose(record, new_measurement)
+        self.records.append(record)
+        self._write(record)
+        return record
+
+    def _flat(self, record):
+        keys = {
+            "scale/loss_scale": record["loss_scale"],
+            "scale/skipped_steps": record["skipped_steps"],
+            "scale/skipped_since_last": record["skipped_since_last"],
+            "scale/grad_norm": record["grad_norm"],
+            "scale/clip_rate": record["clip_rate"],
+        }
+        if self.per_layer_logs:
+            for name, entry in record["layers"].items():
+                for key, value in entry.items():
+                    if key != "histogram":
+                        keys[f"layer/{name}/{key}"] = value
+        return keys
+
+    def _write(self, record):
+        if self.log_dir is None:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        if self.json_lines:
+            # One run per file: a monitor's first line starts it afresh.
+            mode = "a" if self._writer is not None else "w"
+            with open(os.path.join(self.log_dir, JSON_LINES_FILE), mode) as f:
+                f.write(json.dumps(record) + "\n")
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        step = record["step"]
+        with self._writer.as_default(step=step):
+            for key, value in self._flat(dict(record)).items():
+                if not key.startswith("layer/") or self.per_layer_logs:
+                    tf.summary.scalar(key, value)
+            if not self.per_layer_logs:
+                for name, entry in record["layers"].items():
+                    tf.summary.scalar(f"layer/{name}/grad_norm", entry["grad_norm"])
+            for name, entry in record["layers"].items():
+                _write_exponent_histogram(f"layer/{name}/exponents", entry["histogram"])
+
+    def _flag(self, record, layer, kind, message):
+        if (layer, kind) in self._flagged:
+            return
+        self._flagged.add((layer, kind))
+        message = f"Step {record['step']}: layer '{layer}': {message}"
+        self.flags.append({"step": record["step"], "layer": layer, "kind": kind,
+                           "message": message})
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _diagnose(self, record, new_measurement):
+        if record["skipped_since_last"] >= self.skipped_run:
+            self._flag(record, "(all)", "skipped",
+                       f"{record['skipped_since_last']} steps skipped since the last "
+                       "report (non-finite gradients or loss)")
+            self._flagged.discard(("(all)", "skipped"))  # every run is news
+        if not new_measurement:
+            return  # the same statistics as last time
+        layers = record["layers"]
+        largest = max((e["grad_norm"] for e in layers.values()), default=0.0)
+        for name, entry in layers.items():
+            norm = entry["grad_norm"]
+            history = self._history[name]
+            streak = lambda kind, hit: self._count(name, kind, hit)  # noqa: E731
+            if streak("zero", norm == 0.0) >= self.patience:
+                self._flag(record, name, "never_updates",
+                           f"its gradient has been exactly zero for {self.patience} "
+                           "measurements: it does not learn (disconnected, dead "
+                           "units, or everything underflowed)")
+            if norm > 0:
+                level = math.log10(norm)
+                if streak("small", norm < self.vanishing_ratio * largest) >= self.patience:
+                    self._flag(record, name, "vanishing",
+                               f"gradient norm {norm:.3g} is below {self.vanishing_ratio:g} "
+                               f"times the largest layer's ({largest:.3g})")
+                if history and max(history) - level >= self.vanishing_orders:
+                    self._flag(record, name, "vanishing",
+                               f"gradient norm fell {max(history) - level:.1f} orders of "
+                               f"magnitude within {len(history)} measurements, to {norm:.3g}")
+                if len(history) >= 5:
+                    mean, std = np.mean(history), max(np.std(history), 0.1)
+                    if ((level - mean) / std >= self.exploding_zscore
+                            and level - np.median(history) >= math.log10(self.exploding_factor)):
+                        self._flag(record, name, "exploding",
+                                   f"gradient norm {norm:.3g} is {(level - mean) / std:.1f} "
+                                   "standard deviations (log10) above its recent history")
+                history.append(level)
+            underflow = entry.get("underflow", 0.0)
+            if streak("underflow", underflow > self.underflow_warning) >= self.patience:
+                self._flag(record, name, "underflow",
+                           f"{100 * underflow:.1f}% of its gradient values underflow "
+                           f"float16 at its scale {entry['scale']:g}")
+
+    def _count(self, layer, kind, hit):
+        key = (layer, kind)
+        self._streaks[key] = self._streaks[key] + 1 if hit else 0
+        return self._streaks[key]
+
+    def summary(self):
+        """A short text: final scales, skipped steps, flagged layers."""
+        if not self.records:
+            return "ScaleMonitor: nothing recorded."
+        last = self.records[-1]
+        lines = [
+            f"ScaleMonitor summary at step {last['step']}: loss scale "
+            f"{last['loss_scale']:g}, {last['skipped_steps']} skipped steps, "
+            f"gradient norm {last['grad_norm']:.3g}."
+        ]
+        scales = {e["scale"] for e in last["layers"].values()}
+        if len(scales) > 1:
+            lines.append("Layer scales: " + ", ".join(
+                f"{n} 2**{math.log2(e['scale']):g}" for n, e in last["layers"].items()))
+        if self.flags:
+            lines.append("Flagged:")
+            lines += [f"  {f['message']}" for f in self.flags]
+        else:
+            lines.append("No layer flagged.")
+        return "\n".join(lines)
+
+    def get_config(self):
+        return {
+            "every_n_steps": self.every_n_steps,
+            "log_dir": self.log_dir,
+            "json_lines": self.json_lines,
+            "per_layer_logs": self.per_layer_logs,
+            "window": self.window,
+            "patience": self.patience,
+            "vanishing_ratio": self.vanishing_ratio,
+            "vanishing_orders": self.vanishing_orders,
+            "exploding_zscore": self.exploding_zscore,
+            "exploding_factor": self.exploding_factor,
+            "underflow_warning": self.underflow_warning,
+            "skipped_run": self.skipped_run,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def _write_exponent_histogram(tag, histogram):
+    """A TensorBoard histogram whose buckets are the binary exponents
+    (`[left, right, count]` rows, the histogram plugin's format)."""
+    histogram = np.asarray(histogram, np.float64)
+    left = np.arange(histogram.size, dtype=np.float64) + stats.EXPONENT_MIN
+    buckets = np.stack([left, left + 1.0, histogram], axis=1)
+    metadata = tf.compat.v1.SummaryMetadata(
+        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="histograms"),
+        summary_description="log2 |unscaled gradient| (binary exponent) counts",
+    )
+    tf.summary.write(tag, tf.constant(buckets), metadata=metadata)
