@@ -245,3 +245,18 @@ def test_config_round_trips():
     monitor = tas.ScaleMonitor(every_n_steps=7, log_dir="x", patience=2, exploding_zscore=4.0)
     clone = tas.ScaleMonitor.from_config(monitor.get_config())
     assert clone.get_config() == monitor.get_config()
+
+
+def test_bfloat16_reports_norms_without_float16_fractions():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = mlp()
+        monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+        history, opt = fit(model, monitor, epochs=1, update_every=4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert opt.scaling == "none"
+    layers = monitor.records[-1]["layers"]
+    assert all(e["grad_norm"] > 0 and "underflow" not in e for e in layers.values())
+    assert "layer/head/grad_norm" in history.history
+    assert "layer/head/underflow" not in history.history
