@@ -431,3 +431,49 @@ def test_per_layer_scaling_under_mixed_bfloat16():
     inst.train_on_batch(x, y)
     assert int(optimizer.skipped_steps) == 0
     assert_sgd_step(before, values(model.weights), lr, grads, rtol=5e-2)
+
+
+# ------------------------------------------- issue 10: found as a demanding user
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(autoclip_per_variable=True), "autoclip_percentile"),
+        (dict(headroom=2.0**20), "headroom"),
+        (dict(clipnorm=1.0, global_clipnorm=1.0), "clipnorm"),
+    ],
+)
+def test_silently_ignored_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def two_dense(seed=0):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="d1")(x)
+    return keras.Model(x, keras.layers.Dense(1, name="d2")(h))
+
+
+@pytest.mark.parametrize(
+    "inner", [
+        lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None),
+        lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+    ], ids=["ema", "accumulation"])
+def test_per_layer_with_inner_ema_or_accumulation_matches_the_plain_optimizer(inner):
+    """float32: per-layer scaling is exact, so `fit` must end with the same
+    weights as the same inner optimizer alone (EMA finalized at the end)."""
+    x, y = data((32, 6), 1), data((32, 1), 2)
+    reference = two_dense()
+    reference.compile(inner(), "mse")
+    reference.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    model = tas.instrument(two_dense())
+    model.compile(tas.AdaptiveLossScaleOptimizer(inner(), scaling="per_layer"), "mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        if got.shape == want.shape:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    names = {v.path: v.numpy() for v in model.trainable_variables}
+    for v in reference.trainable_variables:
+        np.testing.assert_allclose(names[v.path], v.numpy(), rtol=1e-5, atol=1e-7)

@@ -105,8 +105,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         underflow_criterion: `"count"` (the paper's: a fraction of the
             values) or `"mass"` (a fraction of the squared gradient norm,
             which tiny values barely carry).
-        headroom: Power of two >= 1 kept between the largest scaled gradient
-            and float16's maximum.
+        headroom: Power of two in [1, 2**15] kept between the largest scaled
+            gradient and float16's maximum.
         max_scale_rise: Optional int, the most binades an adaptive or
             per-layer scale may rise in one update (falls are never capped).
         clipnorm: Clip each gradient tensor to this L2 norm.
@@ -186,8 +186,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if max_scale_rise is not None:
             max_scale_rise = validation.positive_int("max_scale_rise", max_scale_rise)
         headroom = validation.power_of_two("headroom", headroom)
-        if headroom < 1:
-            raise ValueError(f"`headroom` must be >= 1. Received: {headroom}")
+        if not 1 <= headroom <= 2.0**15:
+            # Above 2**15 the target peak, 65504 / headroom, is below 2:
+            # float16's range would be given up, not kept.
+            raise ValueError(
+                f"`headroom` must be in [1, 2**15]. Received: {headroom}"
+            )
         clip_norm = validation.positive_float(
             "clipnorm", clipnorm, allow_none=True
         )
@@ -212,6 +216,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             raise TypeError(
                 "`autoclip_per_variable` must be a bool. "
                 f"Received: {autoclip_per_variable!r}"
+            )
+        if autoclip_per_variable and autoclip_percentile is None:
+            raise ValueError(
+                "`autoclip_per_variable=True` needs `autoclip_percentile` "
+                "(AutoClip is off without it)."
+            )
+        if clip_norm is not None and global_clip_norm is not None:
+            raise ValueError(
+                "Pass at most one of `clipnorm` and `global_clipnorm` (as "
+                f"Keras optimizers do). Received: clipnorm={clip_norm}, "
+                f"global_clipnorm={global_clip_norm}"
             )
         agc_factor = validation.positive_float(
             "agc_factor", agc_factor, allow_none=True
@@ -720,6 +735,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self.norm_history_count.assign_add(1)
 
         return grads, acted, commit
+
+    def finalize_variable_values(self, var_list):
+        """Lets the inner optimizer finalize the model's weights (EMA, say).
+
+        Args:
+            var_list: The model's trainable variables; an instrumented
+                model's `statistics` is left out, as the inner optimizer
+                never saw it.
+        """
+        self.inner_optimizer.finalize_variable_values(
+            [v for v in var_list if not hasattr(v, "scale_table")]
+        )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
