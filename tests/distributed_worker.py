@@ -630,7 +630,36 @@ def _per_layer_overflow():
     return result
 
 
+def all_reduce_count():
+    """Gradient all-reduces per traced step: `ReplicaContext.all_reduce`
+    calls while `model.fit` traces its train step, stock Keras vs ours (the
+    gradients travel once; a second, inner all-reduce doubled the traffic)."""
+    x, y = _fit_data(0)
+    weights0 = initial_weights()
+    original = tf.distribute.ReplicaContext.all_reduce
+    counts = {}
+    for name, make_optimizer in (
+        ("stock", lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())),
+        ("adaptive", lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(), scaling="adaptive", global_clipnorm=1.0)),
+    ):
+        sizes = []
+
+        def counting(self, reduce_op, value, options=None):
+            sizes.append(len(tf.nest.flatten(value)))
+            return original(self, reduce_op, value, options)
+
+        tf.distribute.ReplicaContext.all_reduce = counting
+        try:
+            _fit(tf.distribute.MirroredStrategy(CPUS), weights0, make_optimizer, x, y)
+        finally:
+            tf.distribute.ReplicaContext.all_reduce = original
+        counts[name] = sizes
+    return counts
+
+
 SCENARIOS = {
+    "all_reduce_count": all_reduce_count,
     "overflow_stock": overflow_stock,
     "overflow_adaptive": overflow_adaptive,
     "nan_loss_adaptive": nan_loss_adaptive,

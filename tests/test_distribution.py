@@ -84,6 +84,7 @@ GROUPS = (
         "nan_loss_adaptive",
         "equivalence_dynamic_clipnorm",
         "equivalence_adaptive_fp16",
+        "all_reduce_count",
     ),
     (
         "per_layer_fit_fp16",
@@ -335,3 +336,12 @@ def test_per_layer_replica_one_overflow():
     assert after["log2_scales_identical"]
     assert after["log2_ceilings_identical"]
     assert after["statistics_identical"]
+
+
+def test_gradients_are_all_reduced_once_per_step_as_in_stock_keras():
+    """Each traced step all-reduces the gradients once (four tensors: two
+    kernels, two biases), as stock Keras does, not a second time in the inner
+    optimizer."""
+    counts = _scenario("all_reduce_count")
+    assert counts["stock"] and set(counts["stock"]) == {4}
+    assert counts["adaptive"] == counts["stock"]

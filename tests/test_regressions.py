@@ -441,7 +441,6 @@ def test_per_layer_scaling_under_mixed_bfloat16():
     [
         (dict(autoclip_per_variable=True), "autoclip_percentile"),
         (dict(headroom=2.0**20), "headroom"),
-        (dict(clipnorm=1.0, global_clipnorm=1.0), "clipnorm"),
     ],
 )
 def test_silently_ignored_arguments_are_refused(kwargs, match):

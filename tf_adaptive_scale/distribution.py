@@ -2,26 +2,31 @@
 
 Stock Keras checks only replica 0's gradients for overflow under
 `MirroredStrategy` (its merge_call path), so an overflow on another replica
-reaches the weights. Here the gradients are summed over replicas first, and the
-whole decision (finite check, statistics, scale update, clipping) runs once, in
-cross-replica context, on the summed gradients; every replica then applies the
-same result.
+reaches the weights. Here the gradients are summed over replicas first (the
+step's one gradient all-reduce, as in stock Keras), and the whole decision
+(finite check, statistics, scale update, clipping) runs once, in
+cross-replica context, on replica 0's copy of the sum; every replica then
+applies the same transformation to its own, equal, copy of the sum, and the
+inner optimizer updates each replica's weights from it without reducing again.
 """
+
+import contextlib
 
 import tensorflow as tf
 
 
-def run_step(step_fn, inner_apply, grads, variables):
+def run_step(step_fn, inner_optimizer, grads, variables):
     """Runs one optimizer step on gradients summed over all replicas.
 
     Args:
         step_fn: `step_fn(grads, apply_fn)` decides and updates the optimizer's
-            own state from the summed gradients and calls `apply_fn(grads)`
-            with the gradients to apply (or not, to skip the step).
-        inner_apply: `inner_apply(grads, variables)`, the inner optimizer's
-            `apply`. It sums its gradients over replicas itself.
-        grads: This replica's gradients (no `None`).
-        variables: The matching variables.
+            own state from the summed gradients and, to take the step, calls
+            `apply_fn(applied, transform)`: the gradients to apply, and the
+            pure function that makes them from the summed gradients.
+        inner_optimizer: The wrapped Keras optimizer.
+        grads: This replica's gradients (no `None`); the first
+            `len(variables)` belong to `variables`.
+        variables: The variables the inner optimizer updates.
 
     Returns:
         None.
@@ -32,29 +37,42 @@ def run_step(step_fn, inner_apply, grads, variables):
             "`apply()` must be called in a replica context, e.g. inside "
             "`strategy.run`, not in cross-replica context."
         )
-    replicas = context.num_replicas_in_sync
-    if replicas == 1:
-        step_fn(grads, lambda applied: inner_apply(applied, variables))
+    if context.num_replicas_in_sync == 1:
+        step_fn(grads, lambda applied, _: inner_optimizer.apply(applied, variables))
         return
 
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
 
     def cross_replica(strategy, summed):
-        # All replicas hold the same sum: decide once, on replica 0's copy.
         local = [strategy.experimental_local_results(g)[0] for g in summed]
 
-        def apply_on_every_replica(applied):
-            # The inner optimizer all-reduces (sums) again: hand each replica
-            # an equal share so that the sum is the decided gradient. Each
-            # replica makes its own share: one tensor passed to all replicas
-            # would be merged back into a value with no device to reduce to.
-            def apply_share(applied):
-                inner_apply([g / replicas for g in applied], variables)
+        def apply_on_every_replica(applied, transform):
+            def apply_replica(summed):
+                inner_optimizer.apply(transform(summed[: len(variables)]), variables)
 
-            strategy.extended.call_for_each_replica(
-                apply_share, args=(applied,)
-            )
+            # Replicas run in threads of their own: switch around them all.
+            with _already_summed(inner_optimizer):
+                strategy.extended.call_for_each_replica(
+                    apply_replica, args=(summed,)
+                )
 
         step_fn(local, apply_on_every_replica)
 
     context.merge_call(cross_replica, args=(summed,))
+
+
+@contextlib.contextmanager
+def _already_summed(optimizer):
+    """The optimizer updates each replica's weights from that replica's
+    gradients as they are, without all-reducing them again.
+
+    Keras has no public switch for this: its TensorFlow optimizers all-reduce
+    in `_all_reduce_sum_gradients` (keras/src/backend/tensorflow/optimizer.py),
+    replaced here on the instance, while the step is traced.
+    """
+    # Plain attribute access: Keras tracks what is set on an optimizer.
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "_all_reduce_sum_gradients")

@@ -73,7 +73,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     `measured_step` is the last one (`tas.ScaleMonitor` reads them all).
 
     Clipping acts on unscaled gradients, in this order: AGC, `clipvalue`,
-    `clipnorm`, `global_clipnorm`, AutoClip. `clipped_steps` counts the steps
+    `clipnorm`, `global_clipnorm`, AutoClip. Unlike Keras optimizers, which
+    refuse `clipnorm` with `global_clipnorm`, they combine: each tensor is
+    clipped to `clipnorm`, then all together to `global_clipnorm`. `clipped_steps` counts the steps
     on which any of them changed a gradient.
 
     Counters: `iterations` is the inner optimizer's count of *applied* steps
@@ -221,12 +223,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             raise ValueError(
                 "`autoclip_per_variable=True` needs `autoclip_percentile` "
                 "(AutoClip is off without it)."
-            )
-        if clip_norm is not None and global_clip_norm is not None:
-            raise ValueError(
-                "Pass at most one of `clipnorm` and `global_clipnorm` (as "
-                f"Keras optimizers do). Received: clipnorm={clip_norm}, "
-                f"global_clipnorm={global_clip_norm}"
             )
         agc_factor = validation.positive_float(
             "agc_factor", agc_factor, allow_none=True
@@ -440,7 +436,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         unscaled = self._already_unscaled(grads)
         distribution.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
-            self.inner_optimizer.apply,
+            self.inner_optimizer,
             grads + [g for g, _ in tables],
             variables,
         )
@@ -530,17 +526,24 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         for step in steps:
             for i, log2_unit in step.log2_divisors().items():
                 log2_divisors[i] = log2_divisors[i] + log2_unit
-        unscaled = list(grads)
-        if not already_unscaled:
-            for i, log2_divisor in log2_divisors.items():
-                unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+        def transform(grads):
+            """The unscaled and the clipped (applied) gradients; a pure
+            function of the summed gradients, so every replica can apply it
+            to its own copy of the sum."""
+            unscaled = list(grads)
+            if not already_unscaled:
+                for i, log2_divisor in log2_divisors.items():
+                    unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+            clipped, commit = self._clip(
+                [unscaled[i] for i in regular], [variables[i] for i in regular]
+            )
+            applied = list(unscaled)
+            for i, g in zip(regular, clipped):
+                applied[i] = g
+            return unscaled, applied, commit
+
+        unscaled, applied, commit_clipping = transform(grads)
         regular_grads = [unscaled[i] for i in regular]
-        clipped, commit_clipping = self._clip(
-            regular_grads, [variables[i] for i in regular]
-        )
-        applied = list(unscaled)
-        for i, g in zip(regular, clipped):
-            applied[i] = g
         # What reaches the weights is what is checked.
         finite = _all_finite([applied[i] for i in regular])
         for step in steps:
@@ -548,7 +551,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         measure = ops.logical_and(scheduled, finite)
 
         def on_finite():
-            apply_fn(applied)
+            apply_fn(applied, lambda grads: transform(grads)[1])
             commit_clipping()
 
         def on_non_finite():
