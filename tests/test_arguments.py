@@ -33,7 +33,7 @@ def make(**kwargs):
         (dict(update_every=True), TypeError, "`update_every`"),
         (dict(underflow_rate=0.0), ValueError, "`underflow_rate`"),
         (dict(underflow_rate=1.0), ValueError, r"`underflow_rate` must be in the open interval \(0, 1\)"),
-        (dict(headroom=0.5), ValueError, "`headroom` must be >= 1"),
+        (dict(headroom=0.5), ValueError, r"`headroom` must be in \[1, 2\*\*15\]"),
         (dict(underflow_criterion="norm"), ValueError, "`underflow_criterion` must be one of"),
         (dict(max_scale_rise=0), ValueError, "`max_scale_rise` must be an int >= 1"),
         (dict(headroom=3.0), ValueError, "`headroom` must be a power of two"),

@@ -27,6 +27,7 @@ ALL_ARGUMENTS = dict(
     autoclip_per_variable=True,
     agc_factor=0.5,
     agc_eps=1e-2,
+    max_consecutive_skips=77,
 )
 
 

@@ -9,6 +9,7 @@ from tf_adaptive_scale.instrument import InstrumentedModel
 from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
+from tf_adaptive_scale.optimizer import SkippedStepsError
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "InstrumentedModel",
     "ScaleMonitor",
     "ScaleTable",
+    "SkippedStepsError",
     "instrument",
     "plot_report",
     "clipping",

@@ -80,7 +80,10 @@ class ScaleMonitor(keras.callbacks.Callback):
     `exploding_factor` above its recent history), layers whose gradient is
     always zero, persistent underflow (above `underflow_warning` for
     `patience` measurements) and runs of `skipped_run` skipped steps between
-    two reports. `flags` keeps them; training's end prints a summary.
+    two reports. `flags` keeps them; training's end prints a summary. When
+    the optimizer has skipped `max_consecutive_skips` steps in a row, it
+    stops `fit` cleanly (like `keras.callbacks.TerminateOnNaN`) and keeps the
+    `SkippedStepsError` in `stop_error`.
 
     Args:
         every_n_steps: Steps between two reports.
@@ -153,6 +156,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self.skipped_run = skipped_run
         self.verbose = verbose
         self._optimizer = optimizer
+        self.stop_error = None
         self.flags = []
         self.records = []
         self._history = collections.defaultdict(lambda: collections.deque(maxlen=window))
@@ -264,6 +268,7 @@ class ScaleMonitor(keras.callbacks.Callback):
                     histogram, layer["log2_scale"]
                 )
             record["layers"][name] = entry
+        self._check_progress(opt, record)
         new_measurement = measurements > self._last["measurements"]
         self._last = {"step": step, "skipped": skipped, "clipped": clipped,
                       "measurements": measurements}
@@ -271,6 +276,17 @@ class ScaleMonitor(keras.callbacks.Callback):
         self.records.append(record)
         self._write(record)
         return record
+
+    def _check_progress(self, opt, record):
+        """Stops `fit` (like TerminateOnNaN) once the optimizer has skipped
+        `max_consecutive_skips` steps in a row."""
+        try:
+            opt.check_progress()
+        except RuntimeError as error:
+            self.stop_error = error
+            self._flag(record, "(all)", "stalled", str(error))
+            if self.model is not None:
+                self.model.stop_training = True
 
     def _flat(self, record):
         keys = {

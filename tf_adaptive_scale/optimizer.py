@@ -13,6 +13,7 @@ from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import tensorflow_graph
 from tf_adaptive_scale import validation
+from tf_adaptive_scale.monitor import layer_of
 
 SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
 # Default `max_scale`: global scales multiply the loss, which 2**24 keeps
@@ -22,6 +23,10 @@ GLOBAL_MAX_SCALE = 2.0**24
 PER_LAYER_MAX_SCALE = 2.0**(stats.FLOAT16_SUBNORMAL_EXPONENT - stats.EXPONENT_MIN)
 # A cap above every allowed scale: no cap.
 NO_CAP = 2.0**127
+
+
+class SkippedStepsError(RuntimeError):
+    """Training skipped `max_consecutive_skips` steps in a row."""
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -122,6 +127,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         agc_factor: Enables AGC: clip a unit whose gradient norm exceeds this
             multiple of its weight norm.
         agc_eps: Smallest weight norm in AGC.
+        max_consecutive_skips: Optional int: after this many consecutive
+            skipped steps, `check_progress()` raises `SkippedStepsError`
+            naming the layers whose gradients were not finite, and a
+            `tas.ScaleMonitor` in `fit` stops training. `None` never stops.
         name: Optional name.
 
     Example:
@@ -155,6 +164,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         autoclip_per_variable=False,
         agc_factor=None,
         agc_eps=1e-3,
+        max_consecutive_skips=1000,
         name=None,
         **kwargs,
     ):
@@ -228,6 +238,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             "agc_factor", agc_factor, allow_none=True
         )
         agc_eps = validation.positive_float("agc_eps", agc_eps)
+        if max_consecutive_skips is not None:
+            max_consecutive_skips = validation.positive_int(
+                "max_consecutive_skips", max_consecutive_skips
+            )
 
         super().__init__(
             inner_optimizer,
@@ -252,6 +266,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.autoclip_per_variable = autoclip_per_variable
         self.agc_factor = agc_factor
         self.agc_eps = agc_eps
+        self.max_consecutive_skips = max_consecutive_skips
         # The scale exists before `build` so that `scale_loss` reads a
         # variable from the first trace on (no retrace once built).
         self.dynamic_scale = self._state("dynamic_scale", initial_scale)
@@ -321,6 +336,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.calibrated = self._state("calibrated", False, dtype="bool")
         self.total_steps = self._state("total_steps", 0, dtype="int64")
         self.skipped_steps = self._state("skipped_steps", 0, dtype="int64")
+        self.consecutive_skips = self._state("consecutive_skips", 0, dtype="int64")
+        self.last_loss_finite = self._state("last_loss_finite", True, dtype="bool")
+        # 1 where the last skipped step's gradient of a variable was not finite.
+        self.non_finite_gradients = self._state(
+            "non_finite_gradients", 0.0, shape=(len(var_list),)
+        )
         self.last_step_finite = self._state(
             "last_step_finite", True, dtype="bool"
         )
@@ -483,6 +504,48 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._scale_tables = [v.scale_table for _, v in tables]
         return rest, [(g, v.scale_table) for g, v in tables]
 
+    def stalled_layers(self):
+        """The layers whose gradients were not finite on the last skipped
+        step, in the order of the model's trainable variables (a model's
+        last layers, nearest the loss, come last)."""
+        flags = self.non_finite_gradients.numpy()
+        names = []
+        for flag, variable in zip(flags, self._trainable_variables):
+            name = layer_of(variable)
+            if flag > 0 and name not in names:
+                names.append(name)
+        return names
+
+    def check_progress(self):
+        """Raises if training has stopped making progress.
+
+        For custom loops (in `fit`, `tas.ScaleMonitor` does it): after
+        `max_consecutive_skips` consecutive skipped steps, raises
+        `SkippedStepsError` saying why the steps were skipped and where.
+
+        Raises:
+            SkippedStepsError: When the limit is reached.
+        """
+        if not self.built or self.max_consecutive_skips is None:
+            return
+        skips = int(self.consecutive_skips.numpy())
+        if skips < self.max_consecutive_skips:
+            return
+        step = int(self.total_steps.numpy())
+        if not bool(self.last_loss_finite.numpy()):
+            why = "the loss itself was not finite (bad data or a diverged model)"
+        else:
+            layers = self.stalled_layers()
+            why = (
+                "the gradients overflowed at every scale tried; non-finite "
+                f"gradients in layers {layers}"
+                + (f" (nearest the loss: '{layers[-1]}')" if layers else "")
+            )
+        raise SkippedStepsError(
+            f"{skips} consecutive steps skipped, up to step {step} "
+            f"(max_consecutive_skips={self.max_consecutive_skips}): {why}."
+        )
+
     def layer_scales(self):
         """The current per-layer scales by layer name (per-layer mode).
 
@@ -545,7 +608,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         unscaled, applied, commit_clipping = transform(grads)
         regular_grads = [unscaled[i] for i in regular]
         # What reaches the weights is what is checked.
-        finite = _all_finite([applied[i] for i in regular])
+        finite_each = ops.stack(
+            [ops.all(ops.isfinite(applied[i])) for i in regular]
+        )
+        finite = ops.all(finite_each)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
         measure = ops.logical_and(scheduled, finite)
@@ -556,6 +622,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         def on_non_finite():
             self.skipped_steps.assign_add(1)
+            rows = [[self._get_variable_index(variables[i])] for i in regular]
+            self.non_finite_gradients.assign(
+                ops.scatter_update(
+                    ops.zeros_like(self.non_finite_gradients), rows,
+                    ops.cast(ops.logical_not(finite_each), "float32"),
+                )
+            )
 
         # Two conditionals in a row, not nested: a branch of elementwise
         # updates only is one XLA turns into selects fused with the update, as
@@ -594,6 +667,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.non_finite_losses.assign(0.0)
         self.total_steps.assign_add(1)
         self.last_step_finite.assign(finite)
+        self.last_loss_finite.assign(loss_finite)
+        self.consecutive_skips.assign(
+            ops.where(finite, 0, self.consecutive_skips + 1)
+        )
 
     def _write_state(self, state, measured):
         self.dynamic_scale.assign(stats.pow2(state.log2_scale))
@@ -783,6 +860,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "autoclip_per_variable": self.autoclip_per_variable,
                 "agc_factor": self.agc_factor,
                 "agc_eps": self.agc_eps,
+                "max_consecutive_skips": self.max_consecutive_skips,
             }
         )
         return config
@@ -793,5 +871,4 @@ def _times(g, factor):
     return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
 
 
-def _all_finite(grads):
-    return ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+
