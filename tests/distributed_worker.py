@@ -68,6 +68,11 @@ def _value(variable):
     return np.asarray(tf.convert_to_tensor(variable)).item()
 
 
+def _value_array(variable):
+    """A variable's value as a numpy array (replica 0's, under a strategy)."""
+    return np.asarray(tf.convert_to_tensor(variable))
+
+
 def finite_weights(model):
     return all(bool(np.all(np.isfinite(w))) for w in model.get_weights())
 
@@ -89,11 +94,23 @@ def overflow_stock():
     )
 
 
-def overflow_adaptive():
-    """AdaptiveLossScaleOptimizer on the replica-1-only overflow."""
+def overflow_dynamic():
+    """AdaptiveLossScaleOptimizer (Keras's dynamic rule) on the
+    replica-1-only overflow."""
     return _overflow(
         lambda: tas.AdaptiveLossScaleOptimizer(
             keras.optimizers.SGD(0.1), scaling="dynamic"
+        ),
+        extra_clean_step=True,
+    )
+
+
+def overflow_adaptive():
+    """The adaptive scale with a stateful inner optimizer (Adam) on the
+    replica-1-only overflow: its slots must not move either."""
+    return _overflow(
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), scaling="adaptive"
         ),
         extra_clean_step=True,
     )
@@ -189,6 +206,7 @@ def _overflow_step(make_optimizer, extra_clean_step, poison=1e4):
         return strategy.run(step, args=(xs, ys, ids))
 
     before = [w.copy() for w in model.get_weights()]
+    slots_before = [np.array(_value_array(v)) for v in opt.inner_optimizer.variables]
     rids, finite, x_max = train_step(dist_x, dist_y, replica_ids)
     after = model.get_weights()
     local = strategy.experimental_local_results
@@ -200,6 +218,10 @@ def _overflow_step(make_optimizer, extra_clean_step, poison=1e4):
         "weights_finite": finite_weights(model),
         "weights_bitwise_unchanged": all(
             np.array_equal(a, b) for a, b in zip(before, after)
+        ),
+        "slots_bitwise_unchanged": all(
+            np.array_equal(a, np.array(_value_array(v)))
+            for a, v in zip(slots_before, opt.inner_optimizer.variables)
         ),
         "loss_scale": float(_value(opt.dynamic_scale)),
         "iterations": int(_value(opt.iterations)),
@@ -271,6 +293,7 @@ def _equivalence(policy, make_optimizer, seed):
             model, opt, losses = _fit(strat, weights0, make_optimizer, x, y)
             runs[name] = {
                 "weights": [w.tolist() for w in model.get_weights()],
+                "slots": [_value_array(v).tolist() for v in opt.inner_optimizer.variables],
                 "losses": [float(v) for v in losses],
                 "gradient_norm": float(_value(opt.gradient_norm)),
                 "gradient_max": float(_value(opt.gradient_max)),
@@ -284,6 +307,7 @@ def _equivalence(policy, make_optimizer, seed):
                     for a, b in zip(weights0, model.get_weights())
                 ),
             }
+        runs["initial"] = [w.tolist() for w in weights0]
         return runs
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -300,10 +324,14 @@ def equivalence_dynamic_clipnorm():
 
 
 def equivalence_adaptive_fp16():
+    # SGD with momentum, not Adam: Adam turns the float16 rounding noise of
+    # near-zero gradients into full-size steps, so its weights differ by
+    # up to 7% between any two summation orders; SGD's follow the gradient.
     return _equivalence(
         "mixed_float16",
         lambda: tas.AdaptiveLossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), scaling="adaptive", update_every=1
+            keras.optimizers.SGD(1e-2, momentum=0.9), scaling="adaptive",
+            update_every=1,
         ),
         seed=2,
     )
@@ -423,6 +451,7 @@ def per_layer_fit_fp16():
                 "skipped_steps": int(_value(opt.skipped_steps)),
                 "iterations": int(_value(opt.iterations)),
             }
+        runs["initial"] = [w.tolist() for w in weights0]
         return runs
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -661,6 +690,7 @@ def all_reduce_count():
 SCENARIOS = {
     "all_reduce_count": all_reduce_count,
     "overflow_stock": overflow_stock,
+    "overflow_dynamic": overflow_dynamic,
     "overflow_adaptive": overflow_adaptive,
     "nan_loss_adaptive": nan_loss_adaptive,
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
