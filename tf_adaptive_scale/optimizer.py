@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 
 import keras
 from keras import ops
@@ -329,7 +330,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Args:
             var_list: The model's trainable variables.
         """
-        self.step_counter = self._state("step_counter", 0, dtype="int32")
+        # int64 as in the stock optimizer, whose checkpoints restore into this one.
+        self.step_counter = self._state("step_counter", 0, dtype="int64")
         self.overflow_streak = self._state("overflow_streak", 0, dtype="int32")
         self.scale_ceiling = self._state("scale_ceiling", NO_CAP)
         self.steps_to_measure = self._state("steps_to_measure", 0, dtype="int32")
@@ -826,6 +828,47 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         self.inner_optimizer.finalize_variable_values(
             [v for v in var_list if not hasattr(v, "scale_table")]
+        )
+
+    def load_own_variables(self, store):
+        """Loads this optimizer's state, or a stock `LossScaleOptimizer`'s.
+
+        A `.keras` file saved with the stock optimizer (same inner
+        optimizer) restores the inner optimizer's variables, the scale and
+        the growth count; a warning names the state that starts fresh.
+
+        Args:
+            store: The saved variables, by position.
+        """
+        stock = None
+        if self.built and len(store.keys()) != len(self.variables):
+            stock = keras.mixed_precision.LossScaleOptimizer(
+                self.inner_optimizer.__class__.from_config(
+                    self.inner_optimizer.get_config()
+                )
+            )
+            stock.build([v for v in self._trainable_variables
+                         if not hasattr(v, "scale_table")])
+        if stock is None or len(store.keys()) != len(stock.variables):
+            return super().load_own_variables(store)
+        outer = len(stock.variables) - len(stock.inner_optimizer.variables)
+        for variable, i in zip(self.inner_optimizer.variables, range(outer, len(store.keys()))):
+            variable.assign(store[str(i)])
+        own = {v.path.rsplit("/", 1)[-1]: v for v in self._variables}
+        restored = []
+        for i, variable in enumerate(stock.variables[:outer]):
+            name = variable.path.rsplit("/", 1)[-1]
+            if name == "dynamic_scale" and self.scaling in ("none", "per_layer"):
+                continue  # this mode's scale stays 1
+            if name in own:
+                own[name].assign(store[str(i)])
+                restored.append(name)
+        fresh = [name for name in own if name not in restored]
+        warnings.warn(
+            "Loaded the state of a stock keras LossScaleOptimizer: restored "
+            f"the inner optimizer and {', '.join(restored)}; these start "
+            f"fresh: {', '.join(fresh)}.",
+            stacklevel=2,
         )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
