@@ -151,3 +151,23 @@ def test_scale_at_its_bounds_stays_finite(float16_policy, bound):
         scale = float(opt.loss_scale)
         assert np.isfinite(scale) and limits["min_scale"] <= scale <= limits["max_scale"]
     assert float(opt.loss_scale) == limits[f"{bound}_scale"]
+
+
+@pytest.mark.parametrize("poison", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_input_batch_is_skipped_without_back_off(float16_policy, poison):
+    """Inf or NaN in one input: the loss is not finite, the step is skipped,
+    nothing moves, the scale stays; the next clean batch is applied."""
+    model = mlp()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), scaling="dynamic")
+    model.compile(opt, "mse", jit_compile=True)
+    x, y = data(8)
+    model.train_on_batch(x, y)  # builds; one applied step
+    before, scale = snapshot(model, opt), float(opt.loss_scale)
+    bad = x.copy()
+    bad[3, 2] = poison
+    model.train_on_batch(bad, y)
+    assert_unchanged(before, snapshot(model, opt))
+    assert float(opt.loss_scale) == scale and int(opt.skipped_steps) == 1
+    assert not bool(opt.last_loss_finite.numpy())
+    model.train_on_batch(x, y)
+    assert int(opt.iterations) == 2 and int(opt.consecutive_skips) == 0
