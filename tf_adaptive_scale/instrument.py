@@ -62,7 +62,8 @@ def instrument(model, initial_scale=1.0):
     if not model.built or not model.inputs:
         raise ValueError(
             "`model` must be built on known inputs (e.g. start it with "
-            "keras.Input) before it can be instrumented."
+            "keras.Input) before it can be instrumented. Received the "
+            f"unbuilt model '{model.name}'."
         )
     # A Sequential model's `input` is undefined until it is called.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
@@ -331,9 +332,11 @@ def _plan(model, input_names):
                 refused.add(id(op))
         for op in _operations(graph):
             if isinstance(op, (ScaleTable, GradientScale)):
+                where = "" if graph is model else f" in its sub-model '{graph.name}'"
                 raise ValueError(
-                    "`model` is already instrumented (it holds gradient-scale "
-                    "boundaries); instrument the original model instead."
+                    f"`model` ('{model.name}') is already instrumented{where} "
+                    "(it holds gradient-scale boundaries); instrument the "
+                    "original model instead."
                 )
             if _is_graph(op) and all(op is not g for g in graphs):
                 graphs.append(op)

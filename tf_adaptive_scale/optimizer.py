@@ -613,7 +613,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         finite_each = ops.stack(
             [ops.all(ops.isfinite(applied[i])) for i in regular]
         )
-        finite = ops.all(finite_each)
+        # A step whose loss was not finite is bad data: skipped as well.
+        finite = ops.logical_and(ops.all(finite_each), loss_finite)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
         measure = ops.logical_and(scheduled, finite)
