@@ -437,6 +437,7 @@ def per_layer_fit_fp16():
                 "statistics_nonzero": bool(
                     np.any(_replicas(strat, table.statistics)[0] != 0)
                 ),
+                "statistics": _value_array(table.statistics).tolist(),
                 "weights_identical": all(
                     _replicas_identical(strat, v) for v in weight_variables
                 ),

@@ -15,7 +15,7 @@ import contextlib
 import tensorflow as tf
 
 
-def run_step(step_fn, inner_optimizer, grads, variables):
+def run_step(step_fn, inner_optimizer, grads, variables, statistics=()):
     """Runs one optimizer step on gradients summed over all replicas.
 
     Args:
@@ -27,6 +27,9 @@ def run_step(step_fn, inner_optimizer, grads, variables):
         grads: This replica's gradients (no `None`); the first
             `len(variables)` belong to `variables`.
         variables: The variables the inner optimizer updates.
+        statistics: `(tensor, combine)` pairs of small per-replica statistics
+            handed to `step_fn` after `grads`: each is gathered from every
+            replica (stacked on a new first axis) and `combine`d.
 
     Returns:
         None.
@@ -37,14 +40,24 @@ def run_step(step_fn, inner_optimizer, grads, variables):
             "`apply()` must be called in a replica context, e.g. inside "
             "`strategy.run`, not in cross-replica context."
         )
-    if context.num_replicas_in_sync == 1:
-        step_fn(grads, lambda applied, _: inner_optimizer.apply(applied, variables))
+    replicas = context.num_replicas_in_sync
+    if replicas == 1:
+        step_fn(
+            grads + [t for t, _ in statistics],
+            lambda applied, _: inner_optimizer.apply(applied, variables),
+        )
         return
 
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+    gathered = [
+        combine(tf.reshape(context.all_gather(t, axis=0), (replicas, *t.shape)))
+        for t, combine in statistics
+    ]
 
-    def cross_replica(strategy, summed):
-        local = [strategy.experimental_local_results(g)[0] for g in summed]
+    def cross_replica(strategy, summed, gathered):
+        local = [
+            strategy.experimental_local_results(g)[0] for g in summed + gathered
+        ]
 
         def apply_on_every_replica(applied, transform):
             def apply_replica(summed):
@@ -58,7 +71,7 @@ def run_step(step_fn, inner_optimizer, grads, variables):
 
         step_fn(local, apply_on_every_replica)
 
-    context.merge_call(cross_replica, args=(summed,))
+    context.merge_call(cross_replica, args=(summed, gathered))
 
 
 @contextlib.contextmanager

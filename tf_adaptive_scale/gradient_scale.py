@@ -60,6 +60,28 @@ NO_CAP = 127.0
 # Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
 LOSS_UNIT = 0
 
+PEAK_COLUMNS = (OUTPUT_MAX, INPUT_MAX, WIDE_OUTPUT_MAX)
+
+
+def combine_replicas(statistics):
+    """One table from every replica's statistics of a step.
+
+    Counts and flags add up; peaks take the largest replica's (their sum
+    would overstate a unit's peak up to the number of replicas, and lower
+    its scale below one device's).
+
+    Args:
+        statistics: `(replicas, units, NUM_COLUMNS)` float32.
+
+    Returns:
+        `(units, NUM_COLUMNS)` float32.
+    """
+    is_peak = np.isin(np.arange(NUM_COLUMNS), PEAK_COLUMNS)
+    return ops.where(
+        is_peak, ops.max(statistics, axis=0), ops.sum(statistics, axis=0)
+    )
+
+
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
 class ScaleTable(keras.layers.Layer):
     """Holds the per-unit scales and statistics of an instrumented model.

@@ -9,6 +9,7 @@ from keras import ops
 
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import distribution
+from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
@@ -460,8 +461,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         distribution.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
             self.inner_optimizer,
-            grads + [g for g, _ in tables],
+            grads,
             variables,
+            statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
         )
 
     def _default_scaling(self, grads, tables):
