@@ -44,10 +44,12 @@ def test_nan_batches_for_a_long_stretch_stop_fit_cleanly(float16_policy):
     """Every batch holds a NaN: every step is skipped without backing the
     scale off, and the monitor stops fit after max_consecutive_skips."""
     model = mlp()
-    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), max_consecutive_skips=10)
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), max_consecutive_skips=10, autoclip_percentile=90.0)
     model.compile(opt, "mse", jit_compile=True)
     opt.build(model.trainable_variables)
     before = snapshot(model, opt)
+    history = (opt.norm_history.numpy().copy(), int(opt.norm_history_count))
     scale = float(opt.loss_scale)
     x, y = data()
     x[:, 0] = np.nan
@@ -60,6 +62,9 @@ def test_nan_batches_for_a_long_stretch_stop_fit_cleanly(float16_policy):
     assert int(opt.skipped_steps) == 10 and int(opt.iterations) == 0
     assert float(opt.loss_scale) == scale  # bad data: no back-off
     assert_unchanged(before, snapshot(model, opt))
+    # AutoClip's history took none of the skipped steps' norms.
+    np.testing.assert_array_equal(opt.norm_history.numpy(), history[0])
+    assert int(opt.norm_history_count) == history[1] == 0 and int(opt.clipped_steps) == 0
 
 
 class Poison(keras.layers.Layer):
