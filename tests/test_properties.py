@@ -276,7 +276,7 @@ def optimizer_steps(draw):
 
 
 @pytest.mark.parametrize("mode", ["adaptive", "dynamic", "static"])
-@_settings(max_examples=10)
+@_settings(max_examples=25)
 @given(
     log2_bounds=st.tuples(st.integers(-16, 0), st.integers(1, 24)),
     initial=st.integers(-16, 24),
