@@ -65,7 +65,8 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from child_process import ROOT, child_env
+
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
 
 
@@ -99,12 +100,7 @@ GROUPS = (
 def _run_worker(group):
     """Runs the worker once per group and session; returns (results, failure
     message)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p
-    )
-    env["KERAS_BACKEND"] = "tensorflow"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, WORKER, *group],
         env=env,

@@ -48,7 +48,8 @@ import time
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from child_process import ROOT, child_env
+
 WORKER = os.path.join(ROOT, "tests", "multi_worker_worker.py")
 TIMEOUT_S = 150
 
@@ -68,16 +69,10 @@ def _free_ports(n):
 def _launch(mode, tf_config=None):
     """Starts `multi_worker_worker.py mode`; output goes to temporary files
     (a pipe left unread could fill up and block the process)."""
-    env = dict(os.environ)
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     env.pop("TF_CONFIG", None)
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["KERAS_BACKEND"] = "tensorflow"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p
-    )
     stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [sys.executable, WORKER, mode],

@@ -36,8 +36,8 @@ import keras
 import tensorflow as tf
 
 import resume_worker as rw
+from child_process import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "resume_worker.py")
 
 
@@ -136,12 +136,7 @@ def resumed(tmp_path_factory):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     output = os.path.join(workdir, "resumed.npz")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (ROOT, env.get("PYTHONPATH")) if p
-    )
-    env["KERAS_BACKEND"] = "tensorflow"
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, WORKER, workdir, output],
         env=env,

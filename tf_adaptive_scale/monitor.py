@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import validation
 
 JSON_LINES_FILE = "scale_monitor.jsonl"
 # float16: values below 2**-24 underflow to zero, from 2**16 they overflow.
@@ -127,39 +128,28 @@ class ScaleMonitor(keras.callbacks.Callback):
         verbose=1,
     ):
         super().__init__()
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(
-                f"`every_n_steps` must be a positive int. Received: {every_n_steps!r}"
-            )
-        for name, value in (("window", window), ("patience", patience),
-                            ("skipped_run", skipped_run)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int. Received: {value!r}")
-        for name, value in (("vanishing_ratio", vanishing_ratio),
-                            ("vanishing_orders", vanishing_orders),
-                            ("exploding_zscore", exploding_zscore),
-                            ("exploding_factor", exploding_factor),
-                            ("underflow_warning", underflow_warning)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`{name}` must be a positive number. Received: {value!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = validation.positive_int("every_n_steps", every_n_steps)
         self.log_dir = log_dir
         self.json_lines = json_lines
         self.per_layer_logs = per_layer_logs
-        self.window = window
-        self.patience = patience
-        self.vanishing_ratio = vanishing_ratio
-        self.vanishing_orders = vanishing_orders
-        self.exploding_zscore = exploding_zscore
-        self.exploding_factor = exploding_factor
-        self.underflow_warning = underflow_warning
-        self.skipped_run = skipped_run
+        self.window = validation.positive_int("window", window)
+        self.patience = validation.positive_int("patience", patience)
+        self.vanishing_ratio = validation.positive_float("vanishing_ratio", vanishing_ratio)
+        self.vanishing_orders = validation.positive_float("vanishing_orders", vanishing_orders)
+        self.exploding_zscore = validation.positive_float("exploding_zscore", exploding_zscore)
+        self.exploding_factor = validation.positive_float("exploding_factor", exploding_factor)
+        self.underflow_warning = validation.positive_float(
+            "underflow_warning", underflow_warning
+        )
+        self.skipped_run = validation.positive_int("skipped_run", skipped_run)
         self.verbose = verbose
         self._optimizer = optimizer
         self.stop_error = None
         self.flags = []
         self.records = []
-        self._history = collections.defaultdict(lambda: collections.deque(maxlen=window))
+        self._history = collections.defaultdict(
+            lambda: collections.deque(maxlen=self.window)
+        )
         self._streaks = collections.Counter()
         self._flagged = set()
         self._writer = None
@@ -232,7 +222,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             if hasattr(v, "scale_table"):
                 continue  # an instrumented model's statistics
             layer = layers.setdefault(
-                layer_of(v), {"sq": 0.0, "histogram": 0.0, "log2_scale": global_log2}
+                layer_of(v),
+                {"sq": 0.0, "histogram": np.zeros(stats.NUM_BINS), "log2_scale": global_log2},
             )
             layer["sq"] += float(norms[i]) ** 2
             layer["histogram"] = layer["histogram"] + histograms[i]
@@ -257,7 +248,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             "layers": {},
         }
         for name, layer in layers.items():
-            histogram = np.asarray(layer["histogram"], np.float64) * np.ones(stats.NUM_BINS)
+            histogram = layer["histogram"]
             entry = {
                 "grad_norm": math.sqrt(layer["sq"]),
                 "scale": 2.0 ** layer["log2_scale"],
@@ -316,9 +307,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             self._writer = tf.summary.create_file_writer(self.log_dir)
         step = record["step"]
         with self._writer.as_default(step=step):
-            for key, value in self._flat(dict(record)).items():
-                if not key.startswith("layer/") or self.per_layer_logs:
-                    tf.summary.scalar(key, value)
+            for key, value in self._flat(record).items():
+                tf.summary.scalar(key, value)
             if not self.per_layer_logs:
                 for name, entry in record["layers"].items():
                     tf.summary.scalar(f"layer/{name}/grad_norm", entry["grad_norm"])

@@ -611,6 +611,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         unscaled, applied, commit_clipping = transform(grads)
         regular_grads = [unscaled[i] for i in regular]
+        # Where each regular gradient's per-variable records go.
+        rows = [[self._get_variable_index(variables[i])] for i in regular]
         # What reaches the weights is what is checked.
         finite_each = ops.stack(
             [ops.all(ops.isfinite(applied[i])) for i in regular]
@@ -627,7 +629,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         def on_non_finite():
             self.skipped_steps.assign_add(1)
-            rows = [[self._get_variable_index(variables[i])] for i in regular]
             self.non_finite_gradients.assign(
                 ops.scatter_update(
                     ops.zeros_like(self.non_finite_gradients), rows,
@@ -641,7 +642,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ops.cond(finite, on_finite, on_non_finite)
         ops.cond(
             measure,
-            lambda: self._measure(regular_grads, [variables[i] for i in regular]),
+            lambda: self._measure(regular_grads, rows),
             lambda: None,
         )
         if steps:
@@ -713,15 +714,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             table, statistics, members, rule, self._policy
         )
 
-    def _measure(self, unscaled, variables):
+    def _measure(self, unscaled, rows):
         """Records the statistics of a finite step's unscaled gradients, per
-        variable and in total (one pass over each gradient)."""
+        variable (at `rows`) and in total (one pass over each gradient)."""
         per_variable = [stats.exponent_histogram([g]) for g in unscaled]
         histograms = ops.stack([h for h, _ in per_variable])
         histogram = ops.sum(histograms, axis=0)
         max_abs = ops.max(ops.stack([m for _, m in per_variable]))
         norms = ops.stack([clipping.global_norm([g]) for g in unscaled])
-        rows = [[self._get_variable_index(v)] for v in variables]
         self.variable_gradient_histograms.assign(
             ops.scatter_update(self.variable_gradient_histograms, rows, histograms)
         )
@@ -915,6 +915,3 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 def _times(g, factor):
     """`g * factor` computed in float32, returned in `g`'s dtype."""
     return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
-
-
-
