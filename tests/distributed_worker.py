@@ -17,6 +17,7 @@ scenarios in separate processes, as tests/test_distribution.py does.
 """
 
 import functools
+import functools
 import json
 import os
 import sys
@@ -40,6 +41,14 @@ import keras  # noqa: E402
 import tf_adaptive_scale as tas  # noqa: E402
 
 CPUS = ["/cpu:0", "/cpu:1"]
+
+
+@functools.lru_cache(maxsize=None)
+def mirrored_strategy():
+    """One strategy for every scenario of the process: two strategies over
+    the same devices reuse collective instance keys, and TensorFlow's
+    collective executor then refuses the second one's different shapes."""
+    return tf.distribute.MirroredStrategy(CPUS)
 FEATURES = 3
 
 
@@ -158,7 +167,7 @@ def _shard(strategy, array):
 
 
 def _overflow_step(make_optimizer, extra_clean_step, poison=1e4):
-    strategy = tf.distribute.MirroredStrategy(CPUS)
+    strategy = mirrored_strategy()
     assert strategy.num_replicas_in_sync == 2
     global_batch = 2 * PER_REPLICA
     weights0 = initial_weights()
@@ -284,7 +293,7 @@ def _fit(strategy, weights0, make_optimizer, x, y):
 def _equivalence(policy, make_optimizer, seed):
     keras.mixed_precision.set_global_policy(policy)
     try:
-        strategy = tf.distribute.MirroredStrategy(CPUS)
+        strategy = mirrored_strategy()
         assert strategy.num_replicas_in_sync == 2
         weights0 = initial_weights(seed)
         x, y = _fit_data(seed)
@@ -392,7 +401,7 @@ def per_layer_fit_fp16():
     """model.fit, per-layer scales re-measured every step, 2 replicas vs 1."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        strategy = tf.distribute.MirroredStrategy(CPUS)
+        strategy = mirrored_strategy()
         assert strategy.num_replicas_in_sync == 2
         weights0 = initial_weights(make=make_graph_model, seed=3)
         x, y = _fit_data(3)
@@ -464,7 +473,7 @@ FIXED_STEPS = 4
 def per_layer_fixed_scales_fp32():
     """Fixed random per-unit scales (no measuring) on 2 replicas vs plain
     training of the uninstrumented model on one device."""
-    strategy = tf.distribute.MirroredStrategy(CPUS)
+    strategy = mirrored_strategy()
     assert strategy.num_replicas_in_sync == 2
     weights0 = initial_weights(make=make_graph_model, seed=4)
     x, y = _fit_data(4)
@@ -548,7 +557,7 @@ def per_layer_overflow_fp16():
 
 
 def _per_layer_overflow():
-    strategy = tf.distribute.MirroredStrategy(CPUS)
+    strategy = mirrored_strategy()
     assert strategy.num_replicas_in_sync == 2
     global_batch = 2 * PER_REPLICA
     weights0 = initial_weights(make=make_graph_model, seed=5)
@@ -660,6 +669,45 @@ def _per_layer_overflow():
     return result
 
 
+def global_statistics_per_replica():
+    """One measured `fit` step in global adaptive mode: the histogram, zeros
+    and peak the scale is chosen from, with each replica's own reference
+    gradient (its shard's loss sum over the global batch, as Keras's
+    per-replica loss scaling gives) computed separately in float32."""
+    strategy = mirrored_strategy()
+    weights0 = initial_weights(5)
+    x, y = _fit_data(5)
+    x, y = x[:GLOBAL_BATCH], y[:GLOBAL_BATCH]
+    model, opt, _ = _fit(
+        strategy, weights0,
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(1e-2), scaling="adaptive", update_every=1
+        ),
+        x, y,
+    )
+    reference = make_model()
+    reference.set_weights(weights0)
+    shards = []
+    for rows in np.split(np.arange(GLOBAL_BATCH), 2):
+        with tf.GradientTape() as tape:
+            error = reference(x[rows]) - y[rows]
+            loss = tf.reduce_sum(tf.square(error)) / GLOBAL_BATCH
+        shards.append(tape.gradient(loss, reference.trainable_variables))
+    summed = [a + b for a, b in zip(*shards)]
+    per_replica = [tas.gradient_statistics.exponent_histogram(g) for g in shards]
+    return {
+        "histogram": _value_array(opt.gradient_histogram).tolist(),
+        "zeros": _value(opt.gradient_zeros),
+        "max": _value(opt.gradient_max),
+        "measurements": _value(opt.measurements),
+        "reference_histogram": np.sum(
+            [np.asarray(h) for h, _ in per_replica], axis=0).tolist(),
+        "reference_max": max(float(m) for _, m in per_replica),
+        "summed_histogram": np.asarray(
+            tas.gradient_statistics.exponent_histogram(summed)[0]).tolist(),
+    }
+
+
 def all_reduce_count():
     """Gradient all-reduces per traced step: `ReplicaContext.all_reduce`
     calls while `model.fit` traces its train step, stock Keras vs ours (the
@@ -681,7 +729,7 @@ def all_reduce_count():
 
         tf.distribute.ReplicaContext.all_reduce = counting
         try:
-            _fit(tf.distribute.MirroredStrategy(CPUS), weights0, make_optimizer, x, y)
+            _fit(mirrored_strategy(), weights0, make_optimizer, x, y)
         finally:
             tf.distribute.ReplicaContext.all_reduce = original
         counts[name] = sizes
@@ -698,6 +746,7 @@ SCENARIOS = {
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
     "per_layer_fit_fp16": per_layer_fit_fp16,
     "per_layer_fixed_scales_fp32": per_layer_fixed_scales_fp32,
+    "global_statistics_per_replica": global_statistics_per_replica,
     "per_layer_overflow_fp16": per_layer_overflow_fp16,
 }
 

@@ -464,7 +464,33 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             grads,
             variables,
             statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
+            replica_statistics=None if tables else (
+                lambda: self._replica_measurement(grads, variables, unscaled)
+            ),
         )
+
+    def _replica_measurement(self, grads, variables, already_unscaled):
+        """This replica's own histogram, zero count and peak of its unscaled
+        gradients on a scheduled step (zeros otherwise), packed in one vector
+        for `_combine_measurements`: float16 underflow happens in each
+        replica's gradients, before they are summed."""
+        grads = [grads[i] for i in self._regular(variables)]
+        log2_scale = 0.0 if already_unscaled else ops.round(
+            ops.log2(self.dynamic_scale)
+        )
+
+        def measure():
+            histogram, max_abs = stats.exponent_histogram(grads, log2_scale)
+            return ops.concatenate(
+                [histogram, ops.stack([stats.zero_count(grads), max_abs])]
+            )
+
+        packed = ops.cond(
+            ops.equal(self.steps_to_measure, 0),
+            measure,
+            lambda: ops.zeros((stats.NUM_BINS + 2,), "float32"),
+        )
+        return packed, _combine_measurements
 
     def _default_scaling(self, grads, tables):
         """`scaling=None`: per layer for an instrumented model; else adaptive
@@ -573,12 +599,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _step(self, grads, variables, apply_fn, already_unscaled, tables):
         """One step on the (replica-summed) gradients."""
-        grads, table_grads = grads[: len(variables)], grads[len(variables) :]
-        regular = [
-            i
-            for i, v in enumerate(variables)
-            if not self._overwrite_variable_with_gradient(v)
-        ]
+        grads, table_grads, replica_measurement = (
+            grads[: len(variables)],
+            grads[len(variables) : len(variables) + len(tables)],
+            grads[len(variables) + len(tables) :],
+        )
+        regular = self._regular(variables)
         state = self._scale_state()
         loss_finite = ops.equal(self.non_finite_losses, 0.0)
         scheduled = ops.equal(state.steps_to_measure, 0)
@@ -642,7 +668,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ops.cond(finite, on_finite, on_non_finite)
         ops.cond(
             measure,
-            lambda: self._measure(regular_grads, rows),
+            lambda: self._measure(regular_grads, rows, *replica_measurement),
             lambda: None,
         )
         if steps:
@@ -714,13 +740,30 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             table, statistics, members, rule, self._policy
         )
 
-    def _measure(self, unscaled, rows):
+    def _regular(self, variables):
+        """Indices of the variables updated from their gradients."""
+        return [
+            i
+            for i, v in enumerate(variables)
+            if not self._overwrite_variable_with_gradient(v)
+        ]
+
+    def _measure(self, unscaled, rows, replica_measurement=None):
         """Records the statistics of a finite step's unscaled gradients, per
-        variable (at `rows`) and in total (one pass over each gradient)."""
+        variable (at `rows`) and in total (one pass over each gradient).
+
+        With several replicas, the total histogram, zero count and peak that
+        the scale is chosen from are the replicas' own, combined
+        (`replica_measurement`); the per-variable records are of the sum.
+        """
         per_variable = [stats.exponent_histogram([g]) for g in unscaled]
         histograms = ops.stack([h for h, _ in per_variable])
         histogram = ops.sum(histograms, axis=0)
         max_abs = ops.max(ops.stack([m for _, m in per_variable]))
+        zeros = stats.zero_count(unscaled)
+        if replica_measurement is not None:
+            histogram = replica_measurement[: stats.NUM_BINS]
+            zeros, max_abs = ops.unstack(replica_measurement[stats.NUM_BINS :])
         norms = ops.stack([clipping.global_norm([g]) for g in unscaled])
         self.variable_gradient_histograms.assign(
             ops.scatter_update(self.variable_gradient_histograms, rows, histograms)
@@ -729,7 +772,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.scatter_update(self.variable_gradient_norms, rows, norms)
         )
         self.gradient_histogram.assign(histogram)
-        self.gradient_zeros.assign(stats.zero_count(unscaled))
+        self.gradient_zeros.assign(zeros)
         self.gradient_max.assign(max_abs)
         self.gradient_norm.assign(ops.sqrt(ops.sum(ops.square(norms))))
         self.scale_window.assign(
@@ -910,6 +953,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             }
         )
         return config
+
+
+def _combine_measurements(gathered):
+    """Every replica's `_replica_measurement`, `(replicas, NUM_BINS + 2)`, as
+    one: counts add up, the peak is the largest replica's."""
+    return ops.concatenate(
+        [ops.sum(gathered[:, :-1], axis=0), ops.max(gathered[:, -1:], axis=0)]
+    )
 
 
 def _times(g, factor):
