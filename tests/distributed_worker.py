@@ -708,6 +708,48 @@ def global_statistics_per_replica():
     }
 
 
+def train_step_mirrored():
+    """tas.make_train_step under the strategy against one device, same global
+    batches, two micro-batches per window: plain and instrumented models, and
+    a plain Keras optimizer (its mode resolved by the first replica to trace,
+    which once hung the other's merge_call)."""
+    x, y = _fit_data(6)
+    results = {}
+    for name, scaling in (
+        ("plain", "adaptive"), ("instrumented", "per_layer"), ("default", None)
+    ):
+        runs = {}
+        for where, strategy in (("mirrored", mirrored_strategy()), ("single", None)):
+            scope = strategy.scope() if strategy else nullcontext()
+            with scope:
+                base = model = make_model()
+                base.set_weights(initial_weights(6))
+                if scaling == "per_layer":
+                    model = tas.instrument(base)
+                opt = keras.optimizers.SGD(1e-3, momentum=0.9)
+                if scaling:
+                    opt = tas.AdaptiveLossScaleOptimizer(opt, scaling=scaling)
+                step = tas.make_train_step(
+                    model, "mse", opt, accumulation_steps=2, strategy=strategy
+                )
+            losses = []
+            for i in range(STEPS):
+                rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+                losses.append(float(step(x[rows], y[rows])["loss"]))
+            opt = step.optimizer
+            runs[where] = {
+                "weights": [w.tolist() for w in base.get_weights()],
+                "losses": losses,
+                "tracing_count": step.tracing_count(),
+                "total_steps": _value(opt.total_steps),
+                "skipped_steps": _value(opt.skipped_steps),
+                "layer_scales": opt.layer_scales(),
+            }
+        runs["initial"] = [w.tolist() for w in initial_weights(6)]
+        results[name] = runs
+    return results
+
+
 def all_reduce_count():
     """Gradient all-reduces per traced step: `ReplicaContext.all_reduce`
     calls while `model.fit` traces its train step, stock Keras vs ours (the
@@ -747,6 +789,7 @@ SCENARIOS = {
     "per_layer_fit_fp16": per_layer_fit_fp16,
     "per_layer_fixed_scales_fp32": per_layer_fixed_scales_fp32,
     "global_statistics_per_replica": global_statistics_per_replica,
+    "train_step_mirrored": train_step_mirrored,
     "per_layer_overflow_fp16": per_layer_overflow_fp16,
 }
 

@@ -87,6 +87,7 @@ GROUPS = (
         "equivalence_dynamic_clipnorm",
         "equivalence_adaptive_fp16",
         "all_reduce_count",
+        "train_step_mirrored",
     ),
     (
         "per_layer_fit_fp16",
@@ -394,3 +395,19 @@ def test_gradients_are_all_reduced_once_per_step_as_in_stock_keras():
     counts = _scenario("all_reduce_count")
     assert counts["stock"] and set(counts["stock"]) == {4}
     assert counts["adaptive"] == [n + 1 for n in counts["stock"]]
+
+
+@pytest.mark.parametrize("model", ["plain", "instrumented", "default"])
+def test_make_train_step_under_the_strategy_matches_one_device(model):
+    r = _scenario("train_step_mirrored")[model]
+    mirrored, single = r["mirrored"], r["single"]
+    assert mirrored["tracing_count"] == single["tracing_count"] == 1
+    assert mirrored["total_steps"] == single["total_steps"] == 5
+    assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+    # float32: the same update to rounding; a doubled or halved one fails.
+    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
+        moved = np.subtract(s, w0)
+        assert np.abs(moved).max() > 1e-3
+        np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=1e-4,
+                                   atol=1e-4 * np.abs(moved).max())

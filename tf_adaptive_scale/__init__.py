@@ -10,6 +10,8 @@ from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 from tf_adaptive_scale.optimizer import SkippedStepsError
+from tf_adaptive_scale.train_step import TrainStep
+from tf_adaptive_scale.train_step import make_train_step
 
 __version__ = "0.1.0"
 
@@ -31,7 +33,9 @@ __all__ = [
     "ScaleMonitor",
     "ScaleTable",
     "SkippedStepsError",
+    "TrainStep",
     "instrument",
+    "make_train_step",
     "plot_report",
     "clipping",
     "gradient_statistics",

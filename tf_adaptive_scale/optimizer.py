@@ -322,8 +322,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
         if scaling in ("none", "per_layer"):
             # Outside any trace: the scale is 1 from the next step on.
-            with tensorflow_graph.init_scope():
-                self.dynamic_scale.assign(1.0)
+            tensorflow_graph.assign_now(self.dynamic_scale, 1.0)
 
     def build(self, var_list):
         """Creates the optimizer's state for `var_list`.
@@ -399,11 +398,20 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         Returns:
             The scaled loss.
         """
+        self.observe_loss(loss)
+        scaled = ops.cast(loss, "float32") * self.dynamic_scale
+        return ops.cast(scaled, loss.dtype)
+
+    def observe_loss(self, loss):
+        """Notes whether `loss` is finite, for the next `apply` (what
+        `scale_loss` does besides scaling; for losses scaled elsewhere).
+
+        Args:
+            loss: The loss tensor.
+        """
         self.non_finite_losses.assign_add(
             ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
         )
-        scaled = ops.cast(loss, "float32") * self.dynamic_scale
-        return ops.cast(scaled, loss.dtype)
 
     def get_scaled_loss(self, loss):
         """Legacy tf-keras name of `scale_loss`."""

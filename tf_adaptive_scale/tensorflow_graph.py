@@ -103,6 +103,14 @@ def _derived(op, verdicts):
     return verdicts[op]
 
 
-def init_scope():
-    """Runs the enclosed code outside any function being traced (once)."""
-    return tf.init_scope()
+def assign_now(variable, value):
+    """Sets `variable` to `value` outside any trace, on every device.
+
+    For a decision taken once, by whichever replica traces first: assigning
+    a mirrored variable from one replica would wait for the others (a
+    `merge_call` they never make), so each device's copy is set directly.
+    """
+    with tf.init_scope():
+        mirrored = variable.value
+        for copy in getattr(mirrored, "values", (mirrored,)):
+            copy.assign(value)

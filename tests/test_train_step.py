@@ -1,0 +1,195 @@
+"""tas.make_train_step: the same training as model.fit, traced once, with
+gradient accumulation that equals one step on the whole batch."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_adaptive_scale as tas
+
+BATCH = 16
+STEPS = 6
+
+
+@pytest.fixture
+def float16_policy():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def make_model(seed=0, middle_activation="relu"):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(16, activation="tanh", name="hidden",
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    h = keras.layers.Dense(8, activation=middle_activation, name="middle")(h)
+    outputs = keras.layers.Dense(1, name="head")(h)
+    return keras.Model(inputs, outputs)
+
+
+def data(seed=0, n=BATCH * STEPS):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = (np.sin(x[:, :1]) + 0.1 * x[:, 1:2]).astype("float32")
+    return x, y
+
+
+def optimizer(scaling):
+    return tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), scaling=scaling, update_every=2
+    )
+
+
+def weights(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.mark.parametrize("instrumented", [False, True], ids=["plain", "instrumented"])
+def test_compiled_step_trains_as_fit(float16_policy, instrumented):
+    x, y = data()
+    scaling = "per_layer" if instrumented else "adaptive"
+    runs = []
+    for use_fit in (True, False):
+        base = model = make_model()
+        if instrumented:
+            model = tas.instrument(base)  # shares base's weights
+        opt = optimizer(scaling)
+        if use_fit:
+            model.compile(optimizer=opt, loss="mse", jit_compile=True)
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        else:
+            step = tas.make_train_step(model, "mse", opt)
+            for i in range(STEPS):
+                logs = step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+            assert step.tracing_count() == 1
+            assert int(logs["skipped_steps"]) == int(opt.skipped_steps)
+            assert float(logs["loss_scale"]) == float(opt.loss_scale)
+        runs.append((weights(base), opt))
+    (fit_w, fit_opt), (step_w, step_opt) = runs
+    moved = [np.abs(f - w0).max() for f, w0 in zip(fit_w, weights(make_model()))]
+    assert min(moved) > 1e-3  # it trained
+    for f, s in zip(fit_w, step_w):
+        np.testing.assert_allclose(s, f, rtol=1e-4, atol=1e-5)
+    assert int(step_opt.total_steps) == int(fit_opt.total_steps) == STEPS
+    if instrumented:
+        assert step_opt.layer_scales() == fit_opt.layer_scales()
+    else:
+        assert float(step_opt.loss_scale) == float(fit_opt.loss_scale)
+
+
+def test_one_trace_over_many_steps_and_logs_are_tensors():
+    x, y = data()
+    model = make_model()
+    step = tas.make_train_step(model, keras.losses.MeanSquaredError(),
+                               keras.optimizers.SGD(1e-2))
+    assert isinstance(step.optimizer, tas.AdaptiveLossScaleOptimizer)
+    for i in range(STEPS):
+        logs = step(x[:BATCH], y[:BATCH], np.ones((BATCH,), "float32"))
+    assert step.tracing_count() == 1
+    assert set(logs) >= {"loss", "loss_scale", "skipped_steps", "consecutive_skips",
+                         "step_finite", "measured", "gradient_norm",
+                         "underflow_fraction"}
+    assert bool(logs["step_finite"])
+
+
+def test_measured_flag_follows_the_schedule():
+    x, y = data()
+    model = make_model()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-2),
+                                         scaling="adaptive", update_every=3)
+    step = tas.make_train_step(model, "mse", opt)
+    measured = [bool(step(x[:BATCH], y[:BATCH])["measured"]) for _ in range(7)]
+    assert measured == [True, False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_equals_one_step_on_the_whole_batch(k):
+    x, y = data(1, n=BATCH * 2)
+    results = []
+    for steps in (1, k):
+        model = make_model()
+        opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                             scaling="adaptive")
+        step = tas.make_train_step(model, "mse", opt, accumulation_steps=steps)
+        for i in range(2):
+            logs = step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+        results.append((weights(model), float(logs["loss"]), opt))
+    (w1, loss1, opt1), (wk, lossk, optk) = results
+    for a, b in zip(w1, wk):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert lossk == pytest.approx(loss1, rel=1e-5)
+    # One decision per window: as many optimizer steps as windows.
+    assert int(optk.total_steps) == int(optk.iterations) == 2
+    assert int(opt1.total_steps) == 2
+
+
+def test_accumulation_in_float16_matches_a_float32_step(float16_policy):
+    """Micro-batches summed at one scale in float16 give the float32
+    full-batch update (SGD: the update is the gradient). Smooth activations:
+    a ReLU whose input rounds across zero in float16 changes the gradient
+    by up to 10% on its own, with or without loss scaling."""
+    x, y = data(2, n=BATCH)
+    model = make_model(middle_activation="tanh")
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1.0))
+    step = tas.make_train_step(model, "mse", opt, accumulation_steps=4)
+    w0 = weights(model)
+    step(x, y)
+    keras.mixed_precision.set_global_policy("float32")
+    reference = make_model(middle_activation="tanh")
+    reference.set_weights(w0)
+    with __import__("tensorflow").GradientTape() as tape:
+        pred = reference(x)
+        loss = keras.ops.mean(keras.ops.square(pred - y)) + keras.ops.sum(
+            keras.ops.stack(reference.losses))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    assert int(opt.skipped_steps) == 0
+    for w, before, g in zip(weights(model), w0, grads):
+        update = before - w
+        np.testing.assert_allclose(update, np.asarray(g), rtol=1e-2,
+                                   atol=2e-3 * np.abs(np.asarray(g)).max())
+
+
+@pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
+def test_overflow_in_one_micro_batch_skips_the_window(scaling):
+    x, y = data(3, n=BATCH)
+    base = model = make_model()
+    if scaling == "per_layer":
+        model = tas.instrument(base)
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                         scaling=scaling)
+    step = tas.make_train_step(model, "mse", opt, accumulation_steps=4)
+    step(x, y)  # a clean window builds Adam's slots
+    before = (weights(base), [np.asarray(v) for v in opt.inner_optimizer.variables])
+    iterations, skipped = int(opt.iterations), int(opt.skipped_steps)
+    poisoned = x.copy()
+    poisoned[BATCH // 4 * 2] = np.inf  # inside the third micro-batch only
+    logs = step(poisoned, y)
+    assert not bool(logs["step_finite"])
+    assert int(opt.skipped_steps) == skipped + 1
+    assert int(opt.iterations) == iterations
+    for a, b in zip(before[0], weights(base)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(before[1], opt.inner_optimizer.variables):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    logs = step(x, y)  # and the next window applies
+    assert bool(logs["step_finite"])
+
+
+def test_bad_arguments_are_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        tas.make_train_step(model, "mse", keras.optimizers.SGD(), accumulation_steps=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        tas.make_train_step(model, "mse", "adam")
+    with pytest.raises(TypeError, match="LossScaleOptimizer"):
+        tas.make_train_step(model, "mse", keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        tas.make_train_step(model, "mse", keras.optimizers.SGD(
+            gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match="loss_fn"):
+        tas.make_train_step(model, 3, keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="built"):
+        tas.make_train_step(keras.Sequential([keras.layers.Dense(1)]), "mse",
+                            keras.optimizers.SGD())

@@ -1,0 +1,316 @@
+"""Ready compiled train steps for custom loops, with gradient accumulation.
+
+TensorFlow-specific: `tf.function`, XLA and `tf.distribute`.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import validation
+from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
+
+
+def make_train_step(
+    model,
+    loss_fn,
+    optimizer,
+    *,
+    jit_compile=True,
+    accumulation_steps=1,
+    strategy=None,
+):
+    """Builds a compiled train step for a custom loop.
+
+    Everything a loop must get right is done once here: the optimizer is
+    built before tracing, the loss (with `model.losses`) is scaled as the
+    mode needs (globally, or not at all in per-layer mode), the gradients of
+    all trainable variables (an instrumented model's `statistics` included)
+    go to `optimizer.apply`, and what a monitor reads comes back as tensors
+    (no summaries inside XLA, no host synchronisation). Use it instead of
+    `model.fit` when you write your own loop: several models, an unusual
+    schedule, or gradient accumulation over micro-batches.
+
+    With `accumulation_steps=K`, each call takes one window of K
+    micro-batches (the batch is split along its first axis) and runs them
+    one after the other, so only one micro-batch's activations are held at a
+    time. The gradients are summed in float32 at the window's scale (per
+    layer in per-layer mode), then checked once, applied or skipped once, and
+    the scale is updated once: an overflow in any micro-batch skips the
+    window. The result equals one step on the whole batch.
+
+    Args:
+        model: A built Keras model, plain or made by `tas.instrument`.
+        loss_fn: A Keras loss (name, function or `keras.losses.Loss`),
+            called as `loss_fn(y_true, y_pred, sample_weight)` and reduced
+            over the batch.
+        optimizer: A `tas.AdaptiveLossScaleOptimizer`, or a Keras optimizer,
+            which is wrapped in one with its defaults.
+        jit_compile: Whether to compile the step with XLA. Under a strategy
+            of several replicas, the forward and backward passes are
+            compiled, and the optimizer's cross-replica step is not.
+        accumulation_steps: Micro-batches per window (an int >= 1); the
+            batch size must be a multiple of it.
+        strategy: Optional `tf.distribute.Strategy`; by default the one in
+            scope. Create the model inside its scope. The step takes the
+            global batch, as plain tensors (split evenly over the replicas)
+            or as an element of `strategy.experimental_distribute_dataset`.
+
+    Returns:
+        A `TrainStep`: `step(x, y, sample_weight=None)` returns a dict of
+        tensors: `loss` (the window's mean), `loss_scale`, `skipped_steps`,
+        `consecutive_skips`, `step_finite`, `measured` (whether this step
+        measured the gradients), `gradient_norm` and `underflow_fraction`
+        (from the last measurement) and, for an instrumented model,
+        `layer_log2_scales`.
+
+    Example:
+
+    >>> step = tas.make_train_step(model, "mse", keras.optimizers.Adam())
+    >>> for x, y in dataset:
+    ...     logs = step(x, y)
+    """
+    return TrainStep(
+        model,
+        loss_fn,
+        optimizer,
+        jit_compile=jit_compile,
+        accumulation_steps=accumulation_steps,
+        strategy=strategy,
+    )
+
+
+class TrainStep:
+    """A compiled train step; see `make_train_step`.
+
+    Args:
+        model: A built Keras model.
+        loss_fn: A Keras loss.
+        optimizer: A `tas.AdaptiveLossScaleOptimizer` or Keras optimizer.
+        jit_compile: Whether to compile with XLA.
+        accumulation_steps: Micro-batches per window.
+        strategy: Optional `tf.distribute.Strategy`.
+
+    Returns:
+        A callable `step(x, y, sample_weight=None) -> dict`.
+
+    Example:
+
+    >>> step = tas.TrainStep(model, "mse", optimizer)
+    >>> logs = step(x, y)
+    """
+
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        *,
+        jit_compile=True,
+        accumulation_steps=1,
+        strategy=None,
+    ):
+        if not isinstance(model, keras.Model) or not model.built:
+            raise ValueError(
+                "`model` must be a built Keras model (give it an Input, or "
+                f"call it once). Received: {model!r}"
+            )
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "`optimizer` must be a tas.AdaptiveLossScaleOptimizer or a "
+                f"Keras optimizer. Received: {optimizer!r}"
+            )
+        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                raise TypeError(
+                    "`optimizer` is a stock keras LossScaleOptimizer: pass "
+                    "its inner optimizer, or a tas.AdaptiveLossScaleOptimizer."
+                )
+            optimizer = AdaptiveLossScaleOptimizer(optimizer)
+        if optimizer.inner_optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "The inner optimizer has gradient_accumulation_steps="
+                f"{optimizer.inner_optimizer.gradient_accumulation_steps}: "
+                "use make_train_step(..., accumulation_steps=K) instead, which "
+                "takes one skip decision per window."
+            )
+        if not isinstance(jit_compile, bool):
+            raise TypeError(
+                f"`jit_compile` must be True or False. Received: {jit_compile!r}"
+            )
+        self.model = model
+        self.loss_fn = _loss(loss_fn)
+        self.optimizer = optimizer
+        self.accumulation_steps = validation.positive_int(
+            "accumulation_steps", accumulation_steps
+        )
+        self.strategy = strategy or tf.distribute.get_strategy()
+        with self.strategy.scope():
+            optimizer.build(model.trainable_variables)
+        self._tables = [
+            v.scale_table
+            for v in model.trainable_variables
+            if hasattr(v, "scale_table")
+        ]
+        self._is_statistics = [hasattr(v, "scale_table") for v in model.trainable_variables]
+        if self.strategy.num_replicas_in_sync == 1:
+            self._gradient_fn = self._gradients
+            self._function = tf.function(self._replica_step, jit_compile=jit_compile)
+        else:
+            # The optimizer's cross-replica step cannot run inside XLA.
+            self._gradient_fn = tf.function(self._gradients, jit_compile=jit_compile)
+            self._function = tf.function(self._distributed_step)
+
+    def __call__(self, x, y, sample_weight=None):
+        if self.strategy.num_replicas_in_sync > 1:
+            x, y, sample_weight = (
+                self._distribute(t) for t in (x, y, sample_weight)
+            )
+        return self._function(x, y, sample_weight)
+
+    def tracing_count(self):
+        """How many times the step has been traced."""
+        return self._function.experimental_get_tracing_count()
+
+    def _distribute(self, value):
+        """Splits a global batch of plain tensors evenly over the replicas."""
+        if value is None or isinstance(value, tf.distribute.DistributedValues):
+            return value
+        replicas = self.strategy.num_replicas_in_sync
+        shards = _map(lambda t: _split(t, replicas), value)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda context: _map(
+                lambda t: t[context.replica_id_in_sync_group], shards
+            )
+        )
+
+    def _distributed_step(self, x, y, sample_weight):
+        logs = self.strategy.run(self._replica_step, args=(x, y, sample_weight))
+        loss = self.strategy.reduce(
+            tf.distribute.ReduceOp.MEAN, logs.pop("loss"), axis=None
+        )
+        # The rest is mirrored state, equal on every replica.
+        logs = {
+            k: self.strategy.experimental_local_results(v)[0]
+            for k, v in logs.items()
+        }
+        return {"loss": loss, **logs}
+
+    def _replica_step(self, x, y, sample_weight):
+        variables = self.model.trainable_variables
+        grads, loss = self._gradient_fn(x, y, sample_weight)
+        self.optimizer.observe_loss(loss)
+        self.optimizer.apply(grads, variables)
+        return self._logs(loss)
+
+    def _gradients(self, x, y, sample_weight):
+        """The window's gradients, summed over its micro-batches, and its
+        mean loss."""
+        k = self.accumulation_steps
+        if k == 1:
+            return self._micro_batch(x, y, sample_weight)
+        windows = _map(lambda t: _split(t, k), (x, y, sample_weight))
+
+        def micro_batch(i):
+            return self._micro_batch(*_map(lambda t: t[i], windows))
+
+        def body(i, carry):
+            grads, loss = micro_batch(i)
+            summed, total = carry
+            return [
+                _accumulate(a, g, statistics)
+                for a, g, statistics in zip(summed, grads, self._is_statistics)
+            ], total + loss
+
+        # Float32 sums at the window's one scale: gradients of float16
+        # variables too.
+        grads, loss = micro_batch(0)
+        grads, loss = ops.fori_loop(
+            1, k, body, ([ops.cast(g, "float32") for g in grads], loss)
+        )
+        return grads, loss / k
+
+    def _micro_batch(self, x, y, sample_weight):
+        variables = self.model.trainable_variables
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        with tf.GradientTape() as tape:
+            y_pred = self.model(x, training=True)
+            # As in `model.fit`: a Keras loss already divides its mean by
+            # the number of replicas, and `model.losses` are divided here.
+            loss = ops.cast(self.loss_fn(y, y_pred, sample_weight), "float32")
+            if self.model.losses:
+                loss = loss + ops.sum(
+                    ops.stack([ops.cast(l, "float32") for l in self.model.losses])
+                ) / replicas
+            # `scale_loss`'s product, at a micro-batch's share; the loss is
+            # observed once per window, outside the loop (an update of a
+            # variable summed over replicas cannot run in a loop or a
+            # nested function).
+            scaled = loss / self.accumulation_steps * self.optimizer.loss_scale
+        grads = tape.gradient(scaled, variables)
+        return [
+            ops.zeros_like(v) if g is None else ops.convert_to_tensor(g)
+            for g, v in zip(grads, variables)
+        ], loss * replicas
+
+    def _logs(self, loss):
+        opt = self.optimizer
+        logs = {
+            "loss": loss,
+            "loss_scale": ops.convert_to_tensor(opt.loss_scale),
+            "skipped_steps": ops.convert_to_tensor(opt.skipped_steps),
+            "consecutive_skips": ops.convert_to_tensor(opt.consecutive_skips),
+            "step_finite": ops.convert_to_tensor(opt.last_step_finite),
+            "measured": ops.equal(opt.measured_step, opt.total_steps - 1),
+            "gradient_norm": ops.convert_to_tensor(opt.gradient_norm),
+            "underflow_fraction": ops.convert_to_tensor(opt.underflow_fraction),
+        }
+        if self._tables:
+            logs["layer_log2_scales"] = ops.concatenate(
+                [ops.convert_to_tensor(t.log2_scales) for t in self._tables]
+            )
+        return logs
+
+
+def _map(fn, structure):
+    """`fn` on every tensor of `structure`, leaving `None` as it is."""
+    return keras.tree.map_structure(fn, structure, none_is_leaf=False)
+
+
+def _split(tensor, parts):
+    """`tensor` cut along its first axis into a new first axis of `parts`."""
+    return ops.reshape(tensor, (parts, -1, *tensor.shape[1:]))
+
+
+def _accumulate(summed, g, is_statistics):
+    """Adds a micro-batch's gradient to the window's; a ScaleTable's
+    statistics combine as replicas' do (counts add up, peaks take the max)."""
+    if is_statistics:
+        return gradient_scale.combine_replicas(ops.stack([summed, g]))
+    return summed + ops.cast(g, "float32")
+
+
+def _loss(loss_fn):
+    """A reducing Keras loss from a name, function or `Loss`."""
+    if isinstance(loss_fn, str):
+        loss_fn = keras.losses.get(loss_fn)
+    if isinstance(loss_fn, keras.losses.Loss):
+        return loss_fn
+    if not callable(loss_fn):
+        raise ValueError(
+            "`loss_fn` must be a Keras loss name, a loss function "
+            f"`fn(y_true, y_pred)` or a keras.losses.Loss. Received: {loss_fn!r}"
+        )
+    return _FunctionLoss(loss_fn)
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A per-sample loss function, reduced and weighted as Keras does."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
