@@ -8,7 +8,9 @@ model with the same initial weights, `mixed_float16`, `Adam()`:
 - `stock`: `keras.mixed_precision.LossScaleOptimizer`;
 - `adaptive`: `tas.AdaptiveLossScaleOptimizer` (global adaptive scale);
 - `per_layer_100`, `per_layer_1`: `tas.instrument(model)` with
-  `scaling="per_layer"` at `update_every=100` and `=1`.
+  `scaling="per_layer"` at `update_every=100` and `=1`;
+- `train_step`: `tas.make_train_step` with the adaptive optimizer, its loss
+  read back every step as `train_on_batch` does.
 
 Reported, as ratios to `stock` (interleaved `train_on_batch` steps in random
 order, medians; see `timing.py`): the step time; the first step's time
@@ -110,6 +112,22 @@ VARIANTS = {
 }
 
 
+class CompiledStep:
+    """`tas.make_train_step` (adaptive) behind `train_on_batch`, which it
+    matches by returning the loss as a number (one host sync per step)."""
+
+    def __init__(self, model, jit_compile):
+        self.step = tas.make_train_step(
+            model,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
+            jit_compile=jit_compile,
+        )
+
+    def train_on_batch(self, x, y):
+        return float(self.step(x, y)["loss"])
+
+
 def batch_for(model, shape, seed):
     rng = np.random.default_rng(seed)
     if model.inputs[0].dtype == "int32":
@@ -148,8 +166,19 @@ def measure_family(family, jit_compile, steps, seed=0):
         for _ in range(2):
             model.train_on_batch(*batch)
         models[name] = model
+    keras.utils.set_random_seed(seed)
+    model, _ = FAMILIES[family]()
+    model.set_weights(weights)
+    began = time.perf_counter()
+    models["train_step"] = CompiledStep(model, jit_compile)
+    models["train_step"].train_on_batch(*batch)
+    first["train_step"] = time.perf_counter() - began
+    for _ in range(2):
+        models["train_step"].train_on_batch(*batch)
+    traces["train_step"] = models["train_step"].step.tracing_count()
     warm_traces = dict(traces)
     ratios = timing.interleave(models, batch, steps, seed)
+    traces["train_step"] = models["train_step"].step.tracing_count()
     result = {
         name: dict(
             ratios[name],
@@ -166,8 +195,9 @@ def measure_family(family, jit_compile, steps, seed=0):
 def markdown(results):
     lines = [
         "| family | XLA | adaptive | per-layer, every 100 | per-layer, every step "
-        "| first step: adaptive | first step: per-layer | `tas.instrument` (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| `make_train_step` | first step: adaptive | first step: per-layer "
+        "| `tas.instrument` (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (family, jit), r in results.items():
         q = r["ratios"]
@@ -176,6 +206,7 @@ def markdown(results):
             f"| {q['adaptive']['wall_median']:.3f} "
             f"| {q['per_layer_100']['wall_median']:.3f} "
             f"| {q['per_layer_1']['wall_median']:.3f} "
+            f"| {q['train_step']['wall_median']:.3f} "
             f"| {q['adaptive']['first_step']:.2f} "
             f"| {q['per_layer_100']['first_step']:.2f} "
             f"| {r['instrument_seconds']:.2f} |"

@@ -127,3 +127,18 @@ def test_mass_histogram_of_empty_histogram_is_zero():
 def test_pow2_is_exact():
     exponents = np.arange(-126, 128, dtype="float32")
     np.testing.assert_array_equal(np.asarray(stats.pow2(ops.array(exponents))), 2.0**exponents)
+
+
+def test_exact_powers_of_two_land_in_their_own_bin():
+    # ops.log2(32768.0) is 14.999999 in float32: a scaled 1.0 once counted
+    # as 0.5.
+    exponents = np.arange(-60, 30)
+    values = np.float32(2.0) ** exponents.astype("float32")
+    for log2_scale in (0.0, 15.0, -7.0):
+        scaled = values * np.float32(2.0**log2_scale)
+        histogram, max_abs = stats.exponent_histogram(
+            [ops.convert_to_tensor(scaled)], log2_scale)
+        expected = np.zeros(stats.NUM_BINS)
+        expected[exponents - stats.EXPONENT_MIN] = 1
+        np.testing.assert_array_equal(np.asarray(histogram), expected)
+        assert float(max_abs) == 2.0**29

@@ -448,6 +448,14 @@ def test_silently_ignored_arguments_are_refused(kwargs, match):
         tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), **kwargs)
 
 
+def test_inner_gradient_accumulation_is_refused_naming_ours():
+    # It would decide each micro-batch alone: an overflow in one would skip
+    # only that micro-batch and the window would silently grow.
+    with pytest.raises(ValueError, match="accumulation_steps=3"):
+        tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=3))
+
+
 def two_dense(seed=0):
     keras.utils.set_random_seed(seed)
     x = keras.Input((6,))
@@ -456,19 +464,25 @@ def two_dense(seed=0):
 
 
 @pytest.mark.parametrize(
-    "inner", [
-        lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None),
-        lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+    "reference_optimizer, inner, window", [
+        (lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None),
+         lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None),
+         1),
+        # Keras's own accumulation and ours agree (ours decides per window).
+        (lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
+         lambda: keras.optimizers.Adam(1e-2), 2),
     ], ids=["ema", "accumulation"])
-def test_per_layer_with_inner_ema_or_accumulation_matches_the_plain_optimizer(inner):
+def test_per_layer_with_inner_ema_or_accumulation_matches_the_plain_optimizer(
+        reference_optimizer, inner, window):
     """float32: per-layer scaling is exact, so `fit` must end with the same
     weights as the same inner optimizer alone (EMA finalized at the end)."""
     x, y = data((32, 6), 1), data((32, 1), 2)
     reference = two_dense()
-    reference.compile(inner(), "mse")
+    reference.compile(reference_optimizer(), "mse")
     reference.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     model = tas.instrument(two_dense())
-    model.compile(tas.AdaptiveLossScaleOptimizer(inner(), scaling="per_layer"), "mse")
+    model.compile(tas.AdaptiveLossScaleOptimizer(
+        inner(), scaling="per_layer", accumulation_steps=window), "mse")
     model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     for got, want in zip(model.get_weights(), reference.get_weights()):
         if got.shape == want.shape:

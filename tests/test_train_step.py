@@ -185,7 +185,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match="LossScaleOptimizer"):
         tas.make_train_step(model, "mse", keras.optimizers.LossScaleOptimizer(
             keras.optimizers.SGD()))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+    with pytest.raises(ValueError, match="accumulation_steps=K"):
         tas.make_train_step(model, "mse", keras.optimizers.SGD(
             gradient_accumulation_steps=2))
     with pytest.raises(ValueError, match="loss_fn"):
@@ -193,3 +193,83 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="built"):
         tas.make_train_step(keras.Sequential([keras.layers.Dense(1)]), "mse",
                             keras.optimizers.SGD())
+
+
+# ------------------------------------------------- accumulation in model.fit
+
+
+def fit_run(scaling, window, batch, x, y, instrumented=False):
+    base = model = make_model(middle_activation="tanh")
+    if instrumented:
+        model = tas.instrument(base)
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), scaling=scaling, accumulation_steps=window)
+    model.compile(optimizer=opt, loss="mse", jit_compile=True)
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return weights(base), opt
+
+
+@pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
+def test_fit_accumulation_equals_steps_on_the_whole_windows(scaling):
+    """`accumulation_steps=4` in `fit` with batches of 4 is one step per 16
+    samples: the same as batches of 16 without accumulation (float32)."""
+    x, y = data(4, n=64)
+    per_layer = scaling == "per_layer"
+    w_window, opt_window = fit_run(scaling, 4, 4, x, y, per_layer)
+    w_whole, opt_whole = fit_run(scaling, 1, 16, x, y, per_layer)
+    for a, b in zip(w_window, w_whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(opt_window.total_steps) == int(opt_window.iterations) == 4
+    assert int(opt_window._window.count) == 0
+
+
+def test_fit_accumulation_overflow_in_one_micro_batch_skips_the_window(float16_policy):
+    x, y = data(5, n=32)
+    x[9] = 1e30  # overflows float16 in the forward pass of micro-batch 3 of window 1
+    base = make_model()
+    # A scale this model's gradients fit at (2**15 overflows them).
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                         initial_scale=2.0**8,
+                                         accumulation_steps=4)
+    base.compile(optimizer=opt, loss="mse", jit_compile=True)
+    w0 = weights(base)
+    base.fit(x[:16], y[:16], batch_size=4, shuffle=False, verbose=0)
+    # The window was skipped: nothing changed, one skip counted.
+    for a, b in zip(w0, weights(base)):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.skipped_steps) == int(opt.total_steps) == 1
+    assert int(opt.iterations) == 0
+    assert all(not np.any(np.asarray(v)) for v in opt.inner_optimizer.variables[2:])
+    base.fit(x[16:], y[16:], batch_size=4, shuffle=False, verbose=0)
+    assert int(opt.skipped_steps) == 1 and int(opt.total_steps) == 2
+    assert bool(opt.last_step_finite.numpy())
+    assert any(np.any(a != b) for a, b in zip(w0, weights(base)))
+
+
+def test_window_statistics_combine_its_micro_batches():
+    """A measured window's histogram is the sum of its micro-batches' (each
+    underflows in float16 on its own) and its peak their largest; the update
+    is their mean."""
+    var = keras.Variable(np.zeros(4, "float32"))
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(1.0), scaling="adaptive", update_every=1,
+        accumulation_steps=2)
+    opt.build([var])
+    micro = [np.array([2.0**-30, 0.5, 3.0, -1.0], "float32"),
+             np.array([8.0, 2.0**-3, 0.0, 1.0], "float32")]
+
+    import tensorflow as tf
+
+    @tf.function
+    def step(g):
+        opt.apply([opt.scale_loss(g)], [var])
+
+    for g in micro:
+        step(tf.constant(g))
+    histograms = [np.asarray(tas.gradient_statistics.exponent_histogram([g])[0])
+                  for g in micro]
+    np.testing.assert_array_equal(opt.gradient_histogram.numpy(), sum(histograms))
+    assert float(opt.gradient_max) == 8.0
+    assert float(opt.gradient_zeros) == 1.0
+    np.testing.assert_allclose(var.numpy(), -(micro[0] + micro[1]) / 2, rtol=1e-6)
+    assert int(opt.total_steps) == int(opt.measurements) == 1

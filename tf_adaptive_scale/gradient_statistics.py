@@ -71,7 +71,7 @@ def exponent_histogram(tensors, log2_scale=0.0):
             ops.isfinite(magnitude), ops.greater(magnitude, 0.0)
         )
         safe = ops.where(counted, magnitude, 1.0)
-        exponent = ops.floor(ops.log2(safe)) - log2_scale - EXPONENT_MIN
+        exponent = _exponent(safe) - log2_scale - EXPONENT_MIN
         bins = ops.cast(ops.clip(exponent, 0, NUM_BINS - 1), "int32")
         histogram = histogram + ops.segment_sum(
             ops.cast(counted, "float32"), bins, num_segments=NUM_BINS
@@ -80,6 +80,14 @@ def exponent_histogram(tensors, log2_scale=0.0):
             max_abs, ops.max(ops.where(counted, magnitude, 0.0))
         )
     return histogram, max_abs * pow2(-log2_scale)
+
+
+def _exponent(magnitude):
+    """`floor(log2(magnitude))`, exactly, for positive float32 values, as a
+    float32: read from the bits (`ops.log2` misses exact powers of two by an
+    ulp, 32768 -> 14.999999). float32 subnormals read as -127."""
+    bits = ops.view(magnitude, "int32")
+    return ops.cast(ops.floor_divide(bits, 1 << 23) - 127, "float32")
 
 
 def mass_histogram(histogram):
@@ -206,3 +214,19 @@ __all__ = [
     "scale_bounds",
     "adaptive_log2_scale",
 ]
+
+
+def combine_measurements(measurements):
+    """Several packed measurements as one: counts add up, the peak is the
+    largest.
+
+    Args:
+        measurements: `(n, NUM_BINS + 2)` float32, each row a histogram, a
+            zero count and a peak (one replica's, or one micro-batch's).
+
+    Returns:
+        `(NUM_BINS + 2,)` float32.
+    """
+    return ops.concatenate(
+        [ops.sum(measurements[:, :-1], axis=0), ops.max(measurements[:, -1:], axis=0)]
+    )

@@ -11,6 +11,7 @@ from tf_adaptive_scale import clipping
 from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import tensorflow_graph
@@ -133,6 +134,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             skipped steps, `check_progress()` raises `SkippedStepsError`
             naming the layers whose gradients were not finite, and a
             `tas.ScaleMonitor` in `fit` stops training. `None` never stops.
+        accumulation_steps: Int >= 1, micro-batches per optimizer step
+            (gradient accumulation, e.g. in `model.fit`: each batch is a
+            micro-batch). Within a window the scale stays; the unscaled
+            gradients are summed in float32, then checked, clipped and
+            applied (their mean) or skipped once, and the scale is updated
+            once: an overflow in any micro-batch skips the window. Counters
+            (`total_steps`, `skipped_steps`, the inner `iterations`) count
+            windows. Use this, not the inner optimizer's
+            `gradient_accumulation_steps`, which is refused.
         name: Optional name.
 
     Example:
@@ -167,6 +177,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         agc_factor=None,
         agc_eps=1e-3,
         max_consecutive_skips=1000,
+        accumulation_steps=1,
         name=None,
         **kwargs,
     ):
@@ -180,6 +191,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "`inner_optimizer` is already a LossScaleOptimizer; wrap the "
                 "optimizer inside it instead."
             )
+        if inner_optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "The inner optimizer has gradient_accumulation_steps="
+                f"{inner_optimizer.gradient_accumulation_steps}, which would "
+                "decide each micro-batch on its own: pass "
+                "AdaptiveLossScaleOptimizer(..., accumulation_steps="
+                f"{inner_optimizer.gradient_accumulation_steps}) instead (one "
+                "skip decision and one scale update per window)."
+            )
+        accumulation_steps = validation.positive_int(
+            "accumulation_steps", accumulation_steps
+        )
         if scaling is not None:
             validation.one_of("scaling", scaling, SCALING_MODES)
         initial_scale = validation.power_of_two("initial_scale", initial_scale)
@@ -269,6 +292,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.agc_factor = agc_factor
         self.agc_eps = agc_eps
         self.max_consecutive_skips = max_consecutive_skips
+        self.accumulation_steps = accumulation_steps
         # The scale exists before `build` so that `scale_loss` reads a
         # variable from the first trace on (no retrace once built).
         self.dynamic_scale = self._state("dynamic_scale", initial_scale)
@@ -372,6 +396,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
             self.norm_history_count = self._state(
                 "norm_history_count", 0, dtype="int32"
+            )
+        if self.accumulation_steps > 1:
+            self._window = gradient_window.GradientWindow(
+                self, var_list, self.accumulation_steps
             )
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(
@@ -480,7 +508,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _replica_measurement(self, grads, variables, already_unscaled):
         """This replica's own histogram, zero count and peak of its unscaled
         gradients on a scheduled step (zeros otherwise), packed in one vector
-        for `_combine_measurements`: float16 underflow happens in each
+        for `combine_measurements`: float16 underflow happens in each
         replica's gradients, before they are summed."""
         grads = [grads[i] for i in self._regular(variables)]
         log2_scale = 0.0 if already_unscaled else ops.round(
@@ -498,7 +526,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             measure,
             lambda: ops.zeros((stats.NUM_BINS + 2,), "float32"),
         )
-        return packed, _combine_measurements
+        return packed, stats.combine_measurements
 
     def _default_scaling(self, grads, tables):
         """`scaling=None`: per layer for an instrumented model; else adaptive
@@ -606,12 +634,79 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
     def _step(self, grads, variables, apply_fn, already_unscaled, tables):
-        """One step on the (replica-summed) gradients."""
+        """One step on the (replica-summed) gradients, or one micro-batch of
+        a window."""
         grads, table_grads, replica_measurement = (
             grads[: len(variables)],
             grads[len(variables) : len(variables) + len(tables)],
             grads[len(variables) + len(tables) :],
         )
+        if self.accumulation_steps == 1:
+            self._decide(
+                grads, table_grads, replica_measurement, variables, apply_fn,
+                already_unscaled, tables,
+            )
+            return
+        regular = self._regular(variables)
+        state = self._scale_state()
+        steps = [
+            self._table_step(table, statistics, variables, regular)
+            for (_, table), statistics in zip(tables, table_grads)
+        ]
+        unscaled = list(grads)
+        if not already_unscaled:
+            for i, log2_divisor in self._log2_divisors(state, steps, regular).items():
+                unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+        if tables or replica_measurement:
+            measurement = ops.zeros((stats.NUM_BINS + 2,)) if tables else replica_measurement[0]
+        else:
+            measurement, _ = self._replica_measurement(grads, variables, already_unscaled)
+        index = self._get_variable_index
+        values = {index(variables[i]): unscaled[i] for i in regular}
+        values.update(
+            {index(t.statistics): s for (_, t), s in zip(tables, table_grads)}
+        )
+        last = self._window.add(values, measurement)
+
+        def window(grads):
+            """The window's mean in place of a micro-batch's gradients."""
+            mean = list(grads)
+            for i in regular:
+                mean[i] = self._window.contents(index(variables[i]))
+            return mean
+
+        def decide():
+            self._decide(
+                window(grads),
+                [self._window.contents(index(t.statistics)) for _, t in tables],
+                [] if tables else [self._window.measurement.value],
+                variables,
+                # Each replica reads its own copy of the window's sums.
+                lambda applied, transform: apply_fn(
+                    applied, lambda summed: transform(window(summed))
+                ),
+                True,
+                tables,
+            )
+            self._window.reset()
+
+        ops.cond(last, decide, lambda: None)
+
+    def _log2_divisors(self, state, steps, regular):
+        """Every gradient is divided by the scale `scale_loss` applied and, in
+        an instrumented model, by its layer's; in float32 (a float16 scale of
+        2**16 would be inf)."""
+        log2_divisors = {i: state.log2_scale for i in regular}
+        for step in steps:
+            for i, log2_unit in step.log2_divisors().items():
+                log2_divisors[i] = log2_divisors[i] + log2_unit
+        return log2_divisors
+
+    def _decide(
+        self, grads, table_grads, replica_measurement, variables, apply_fn,
+        already_unscaled, tables,
+    ):
+        """Checks, applies or skips, measures and updates the scales once."""
         regular = self._regular(variables)
         state = self._scale_state()
         loss_finite = ops.equal(self.non_finite_losses, 0.0)
@@ -620,13 +715,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self._table_step(table, statistics, variables, regular)
             for (_, table), statistics in zip(tables, table_grads)
         ]
-        # Every gradient is divided by the scale `scale_loss` applied and, in
-        # an instrumented model, by its layer's; in float32 (a float16 scale
-        # of 2**16 would be inf).
-        log2_divisors = {i: state.log2_scale for i in regular}
-        for step in steps:
-            for i, log2_unit in step.log2_divisors().items():
-                log2_divisors[i] = log2_divisors[i] + log2_unit
+        log2_divisors = self._log2_divisors(state, steps, regular)
+
         def transform(grads):
             """The unscaled and the clipped (applied) gradients; a pure
             function of the summed gradients, so every replica can apply it
@@ -958,17 +1048,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "agc_factor": self.agc_factor,
                 "agc_eps": self.agc_eps,
                 "max_consecutive_skips": self.max_consecutive_skips,
+                "accumulation_steps": self.accumulation_steps,
             }
         )
         return config
-
-
-def _combine_measurements(gathered):
-    """Every replica's `_replica_measurement`, `(replicas, NUM_BINS + 2)`, as
-    one: counts add up, the peak is the largest replica's."""
-    return ops.concatenate(
-        [ops.sum(gathered[:, :-1], axis=0), ops.max(gathered[:, -1:], axis=0)]
-    )
 
 
 def _times(g, factor):

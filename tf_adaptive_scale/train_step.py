@@ -121,20 +121,24 @@ class TrainStep:
                 "`optimizer` must be a tas.AdaptiveLossScaleOptimizer or a "
                 f"Keras optimizer. Received: {optimizer!r}"
             )
-        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
-            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-                raise TypeError(
-                    "`optimizer` is a stock keras LossScaleOptimizer: pass "
-                    "its inner optimizer, or a tas.AdaptiveLossScaleOptimizer."
-                )
-            optimizer = AdaptiveLossScaleOptimizer(optimizer)
-        if optimizer.inner_optimizer.gradient_accumulation_steps:
-            raise ValueError(
-                "The inner optimizer has gradient_accumulation_steps="
-                f"{optimizer.inner_optimizer.gradient_accumulation_steps}: "
-                "use make_train_step(..., accumulation_steps=K) instead, which "
-                "takes one skip decision per window."
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not (
+            isinstance(optimizer, AdaptiveLossScaleOptimizer)
+        ):
+            raise TypeError(
+                "`optimizer` is a stock keras LossScaleOptimizer: pass its "
+                "inner optimizer, or a tas.AdaptiveLossScaleOptimizer."
             )
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if inner.gradient_accumulation_steps or (
+            getattr(optimizer, "accumulation_steps", 1) > 1
+        ):
+            raise ValueError(
+                "The optimizer accumulates gradients itself: pass "
+                "make_train_step(..., accumulation_steps=K) instead, which "
+                "runs a window in one call (one skip decision per window)."
+            )
+        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+            optimizer = AdaptiveLossScaleOptimizer(optimizer)
         if not isinstance(jit_compile, bool):
             raise TypeError(
                 f"`jit_compile` must be True or False. Received: {jit_compile!r}"

@@ -1,0 +1,87 @@
+"""Gradient accumulation: one optimizer step per window of micro-batches.
+
+Within a window the scale does not change, so the unscaled gradients of its
+micro-batches are summed in float32 and decided on once: one finite check,
+one apply or skip, one scale update. Their statistics combine as those of
+replicas do: counts add up, peaks take the largest.
+"""
+
+from keras import ops
+
+from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import gradient_statistics as stats
+
+
+class GradientWindow:
+    """The optimizer state of a window: sums, statistics and a count.
+
+    Args:
+        optimizer: The optimizer that owns (and saves) the variables.
+        variables: The optimizer's variables, in its order; an instrumented
+            model's `statistics` variables are combined, the others summed.
+        steps: Micro-batches per window, >= 2.
+
+    Example:
+
+    >>> window = GradientWindow(optimizer, var_list, steps=4)
+    >>> last = window.add({0: grad}, measurement)
+    """
+
+    def __init__(self, optimizer, variables, steps):
+        self.steps = steps
+        self.is_statistics = [hasattr(v, "scale_table") for v in variables]
+        self.sums = [
+            optimizer.add_variable(
+                v.shape, initializer="zeros", dtype="float32", name="window_sum"
+            )
+            for v in variables
+        ]
+        self.measurement = optimizer.add_variable(
+            (stats.NUM_BINS + 2,), initializer="zeros", dtype="float32",
+            name="window_measurement",
+        )
+        self.count = optimizer.add_variable(
+            (), initializer="zeros", dtype="int32", name="window_count"
+        )
+
+    def add(self, values, measurement):
+        """Adds one micro-batch.
+
+        Args:
+            values: `{optimizer variable index: gradient or statistics}`.
+            measurement: Packed histogram, zeros and peak
+                (`gradient_statistics.combine_measurements`' rows).
+
+        Returns:
+            A boolean tensor: whether this micro-batch ends the window.
+        """
+        last = ops.equal(self.count + 1, self.steps)
+        for i, value in values.items():
+            value = ops.cast(value, "float32")
+            if self.is_statistics[i]:
+                self.sums[i].assign(
+                    gradient_scale.combine_replicas(
+                        ops.stack([self.sums[i].value, value])
+                    )
+                )
+            else:
+                self.sums[i].assign_add(value)
+        self.measurement.assign(
+            stats.combine_measurements(
+                ops.stack([self.measurement.value, measurement])
+            )
+        )
+        self.count.assign_add(1)
+        return last
+
+    def contents(self, index):
+        """The window's mean gradient, or combined statistics, of the
+        variable at `index`."""
+        total = self.sums[index].value
+        return total if self.is_statistics[index] else total / self.steps
+
+    def reset(self):
+        for total in self.sums:
+            total.assign(ops.zeros_like(total))
+        self.measurement.assign(ops.zeros_like(self.measurement))
+        self.count.assign(0)
