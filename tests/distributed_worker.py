@@ -346,6 +346,18 @@ def equivalence_adaptive_fp16():
     )
 
 
+def equivalence_accumulation():
+    """`model.fit` with two micro-batches per window under the strategy."""
+    return _equivalence(
+        "float32",
+        lambda: tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(1e-2, momentum=0.9), scaling="adaptive",
+            accumulation_steps=2,
+        ),
+        seed=3,
+    )
+
+
 # ---------------------------------------------------------------------------
 # Scenarios 4-6: per-layer scaling (tas.instrument) under the strategy.
 # ---------------------------------------------------------------------------
@@ -786,6 +798,7 @@ SCENARIOS = {
     "nan_loss_adaptive": nan_loss_adaptive,
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
+    "equivalence_accumulation": equivalence_accumulation,
     "per_layer_fit_fp16": per_layer_fit_fp16,
     "per_layer_fixed_scales_fp32": per_layer_fixed_scales_fp32,
     "global_statistics_per_replica": global_statistics_per_replica,

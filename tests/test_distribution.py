@@ -88,6 +88,7 @@ GROUPS = (
         "equivalence_adaptive_fp16",
         "all_reduce_count",
         "train_step_mirrored",
+        "equivalence_accumulation",
     ),
     (
         "per_layer_fit_fp16",
@@ -409,5 +410,20 @@ def test_make_train_step_under_the_strategy_matches_one_device(model):
     for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
         moved = np.subtract(s, w0)
         assert np.abs(moved).max() > 1e-3
+        np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=1e-4,
+                                   atol=1e-4 * np.abs(moved).max())
+
+
+def test_fit_accumulation_under_the_strategy_matches_one_device():
+    r = _scenario("equivalence_accumulation")
+    mirrored, single = r["mirrored"], r["single"]
+    # Five batches, windows of two: two applied windows, one pending.
+    assert mirrored["total_steps"] == single["total_steps"] == 2
+    assert mirrored["iterations"] == single["iterations"] == 2
+    assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
+        moved = np.subtract(s, w0)
+        assert np.abs(moved).max() > 1e-4
         np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=1e-4,
                                    atol=1e-4 * np.abs(moved).max())
