@@ -490,3 +490,20 @@ def test_per_layer_with_inner_ema_or_accumulation_matches_the_plain_optimizer(
     names = {v.path: v.numpy() for v in model.trainable_variables}
     for v in reference.trainable_variables:
         np.testing.assert_allclose(names[v.path], v.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_per_layer_fit_with_a_partial_last_batch():
+    # The last, smaller batch retraces with an unknown batch size: the
+    # statistics' exponent read (a bit view) once needed a static shape.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = tas.instrument(two_dense())
+        opt = tas.AdaptiveLossScaleOptimizer(
+            keras.optimizers.SGD(0.1), scaling="per_layer", update_every=1)
+        model.compile(opt, "mse", jit_compile=True)
+        model.fit(data((20, 6), 1), data((20, 1), 2), batch_size=8, epochs=2,
+                  verbose=0, shuffle=False)
+        assert int(opt.total_steps) == 6
+        assert int(opt.skipped_steps) <= 1
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -1,5 +1,8 @@
 """tf_adaptive_scale: adaptive, bounded, observable loss scaling for Keras 3."""
 
+# First, before Keras starts TensorFlow: the demo's quiet start (a no-op in
+# any other use).
+from tf_adaptive_scale import demo_console  # noqa: I001
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
 from tf_adaptive_scale import scale_policy

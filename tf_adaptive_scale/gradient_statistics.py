@@ -86,7 +86,8 @@ def _exponent(magnitude):
     """`floor(log2(magnitude))`, exactly, for positive float32 values, as a
     float32: read from the bits (`ops.log2` misses exact powers of two by an
     ulp, 32768 -> 14.999999). float32 subnormals read as -127."""
-    bits = ops.view(magnitude, "int32")
+    # A static last axis: `ops.view` cannot check a dynamic one.
+    bits = ops.reshape(ops.view(ops.reshape(magnitude, (-1, 1)), "int32"), (-1,))
     return ops.cast(ops.floor_divide(bits, 1 << 23) - 127, "float32")
 
 
