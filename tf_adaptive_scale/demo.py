@@ -219,7 +219,8 @@ def verdict(results):
         f"(adaptive) and {ours['skipped']} (per layer): it measures the "
         "gradients and goes straight to a scale that fits.",
         f"- Train loss after the same number of steps: {losses}. Skipped "
-        "steps are training lost.",
+        "steps are training lost; differences of a few percent also come "
+        "from float16 rounding along the way (one run each).",
         f"- Test accuracy {'ties' if spread < 0.01 else 'differs'}: within "
         f"{spread:.3f} across the four. At this size one global scale still "
         "fits every layer once found; per-layer scales matter at larger "
