@@ -507,3 +507,18 @@ def test_per_layer_fit_with_a_partial_last_batch():
         assert int(opt.skipped_steps) <= 1
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_one_replica_mirrored_strategy_trains():
+    # MirroredStrategy() on a one-GPU machine: the inner optimizer's
+    # merge_call once ran inside the step's conditional and failed.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1))
+        model.compile(opt, "mse", jit_compile=False)
+    before = model.get_weights()
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"),
+              batch_size=4, verbose=0)
+    assert opt.total_steps.numpy() == 2 and opt.skipped_steps.numpy() == 0
+    assert not np.array_equal(before[0], model.get_weights()[0])

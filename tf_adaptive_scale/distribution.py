@@ -48,7 +48,10 @@ def run_step(
             "`strategy.run`, not in cross-replica context."
         )
     replicas = context.num_replicas_in_sync
-    if replicas == 1:
+    # The default strategy only: under any other, even with one replica, the
+    # inner optimizer's apply makes a merge_call, which cannot run inside
+    # the step's conditionals: it goes the cross-replica way below.
+    if replicas == 1 and not tf.distribute.has_strategy():
         step_fn(
             grads + [t for t, _ in statistics],
             lambda applied, _: inner_optimizer.apply(applied, variables),

@@ -365,7 +365,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             if streak("underflow", underflow > self.underflow_warning) >= self.patience:
                 self._flag(record, name, "underflow",
                            f"{100 * underflow:.1f}% of its gradient values underflow "
-                           f"float16 at its scale {entry['scale']:g}")
+                           f"float16 at its scale 2**{math.log2(entry['scale']):g}")
 
     def _count(self, layer, kind, hit):
         key = (layer, kind)
@@ -379,7 +379,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         last = self.records[-1]
         lines = [
             f"ScaleMonitor summary at step {last['step']}: loss scale "
-            f"{last['loss_scale']:g}, {last['skipped_steps']} skipped steps, "
+            f"2**{math.log2(last['loss_scale']):g}, {last['skipped_steps']} skipped steps, "
             f"gradient norm {last['grad_norm']:.3g}."
         ]
         scales = {e["scale"] for e in last["layers"].values()}
