@@ -28,6 +28,7 @@ ALL_ARGUMENTS = dict(
     agc_factor=0.5,
     agc_eps=1e-2,
     max_consecutive_skips=77,
+    accumulation_steps=3,
 )
 
 
@@ -51,7 +52,8 @@ def trained_model(steps=6):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     opt = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), **{**ALL_ARGUMENTS, "autoclip_per_variable": False}
+        keras.optimizers.Adam(1e-2),
+        **{**ALL_ARGUMENTS, "autoclip_per_variable": False, "accumulation_steps": 1}
     )
     model.compile(opt, "mse", jit_compile=True)
     x, y = batches()
@@ -109,7 +111,8 @@ def test_checkpoint_restores_whole_state_and_resumes(tmp_path):
     keras.utils.set_random_seed(7)  # different initial weights
     fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
     fopt = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.Adam(1e-2), **{**ALL_ARGUMENTS, "autoclip_per_variable": False}
+        keras.optimizers.Adam(1e-2),
+        **{**ALL_ARGUMENTS, "autoclip_per_variable": False, "accumulation_steps": 1}
     )
     fresh.compile(fopt, "mse", jit_compile=True)
     fopt.build(fresh.trainable_variables)
@@ -120,3 +123,21 @@ def test_checkpoint_restores_whole_state_and_resumes(tmp_path):
         np.testing.assert_array_equal(a, b)
     for (k, v), e in zip(state(fopt).items(), expected_state.values()):
         np.testing.assert_array_equal(v, e, err_msg=k)
+
+
+def test_a_window_cut_by_a_save_resumes_exactly(tmp_path):
+    """Gradient accumulation: the window's sums are optimizer state, saved
+    mid-window and restored."""
+    x, y = batches()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(1e-2), scaling="adaptive", accumulation_steps=2), "mse")
+    model.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)  # 1.5 windows
+    assert int(model.optimizer._window.count.numpy()) == 1
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    for m in (model, loaded):
+        m.fit(x[12:16], y[12:16], batch_size=4, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.optimizer.total_steps.numpy()) == 2
