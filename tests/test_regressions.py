@@ -522,3 +522,6 @@ def test_one_replica_mirrored_strategy_trains():
               batch_size=4, verbose=0)
     assert opt.total_steps.numpy() == 2 and opt.skipped_steps.numpy() == 0
     assert not np.array_equal(before[0], model.get_weights()[0])
+    step = tas.make_train_step(model, "mse", opt, strategy=strategy)
+    logs = step(np.ones((4, 4), "float32"), np.ones((4, 1), "float32"))
+    assert bool(logs["step_finite"]) and opt.total_steps.numpy() == 3

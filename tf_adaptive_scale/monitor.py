@@ -308,10 +308,10 @@ class ScaleMonitor(keras.callbacks.Callback):
         step = record["step"]
         with self._writer.as_default(step=step):
             for key, value in self._flat(record).items():
-                tf.summary.scalar(key, value)
+                _write_scalar(key, value)
             if not self.per_layer_logs:
                 for name, entry in record["layers"].items():
-                    tf.summary.scalar(f"layer/{name}/grad_norm", entry["grad_norm"])
+                    _write_scalar(f"layer/{name}/grad_norm", entry["grad_norm"])
             for name, entry in record["layers"].items():
                 _write_exponent_histogram(f"layer/{name}/exponents", entry["histogram"])
 
@@ -413,6 +413,15 @@ class ScaleMonitor(keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+def _write_scalar(tag, value):
+    """A TensorBoard scalar, in the scalars plugin's format, written without
+    the `tensorboard` package (`tf.summary.scalar` needs it installed)."""
+    metadata = tf.compat.v1.SummaryMetadata(
+        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
+    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=metadata)
 
 
 def _write_exponent_histogram(tag, histogram):

@@ -149,16 +149,20 @@ class TrainStep:
         self.accumulation_steps = validation.positive_int(
             "accumulation_steps", accumulation_steps
         )
+        # Any strategy but the default one runs the step through
+        # `strategy.run`, even with one replica (the optimizer's merge_call).
+        self._distributed = strategy is not None or tf.distribute.has_strategy()
         self.strategy = strategy or tf.distribute.get_strategy()
-        with self.strategy.scope():
-            optimizer.build(model.trainable_variables)
-        self._tables = [
-            v.scale_table
-            for v in model.trainable_variables
-            if hasattr(v, "scale_table")
+        if not optimizer.built:
+            with self.strategy.scope():
+                optimizer.build(model.trainable_variables)
+        self._is_statistics = [
+            hasattr(v, "scale_table") for v in model.trainable_variables
         ]
-        self._is_statistics = [hasattr(v, "scale_table") for v in model.trainable_variables]
-        if self.strategy.num_replicas_in_sync == 1:
+        self._tables = [
+            v.scale_table for v in model.trainable_variables if hasattr(v, "scale_table")
+        ]
+        if not self._distributed:
             self._gradient_fn = self._gradients
             self._function = tf.function(self._replica_step, jit_compile=jit_compile)
         else:
@@ -167,7 +171,7 @@ class TrainStep:
             self._function = tf.function(self._distributed_step)
 
     def __call__(self, x, y, sample_weight=None):
-        if self.strategy.num_replicas_in_sync > 1:
+        if self._distributed:
             x, y, sample_weight = (
                 self._distribute(t) for t in (x, y, sample_weight)
             )
