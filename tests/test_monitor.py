@@ -260,3 +260,28 @@ def test_bfloat16_reports_norms_without_float16_fractions():
     assert all(e["grad_norm"] > 0 and "underflow" not in e for e in layers.values())
     assert "layer/head/grad_norm" in history.history
     assert "layer/head/underflow" not in history.history
+
+
+def test_monitor_writes_tensorboard_logs_without_the_tensorboard_package(tmp_path):
+    # The demo's extra does not install tensorboard; tf.summary.scalar
+    # needs it, the monitor's own writer does not.
+    import subprocess
+    import sys
+
+    from child_process import ROOT, child_env
+
+    script = f"""
+import sys
+sys.modules["tensorboard"] = None  # as if not installed
+import numpy as np, keras
+import tf_adaptive_scale as tas
+keras.mixed_precision.set_global_policy("mixed_float16")
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0,
+          callbacks=[tas.ScaleMonitor(every_n_steps=1, log_dir={str(tmp_path)!r}, verbose=0)])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
