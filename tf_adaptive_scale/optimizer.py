@@ -641,12 +641,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             grads[len(variables) : len(variables) + len(tables)],
             grads[len(variables) + len(tables) :],
         )
-        if self.accumulation_steps == 1:
-            self._decide(
-                grads, table_grads, replica_measurement, variables, apply_fn,
-                already_unscaled, tables,
-            )
-            return
+        step = self._decide if self.accumulation_steps == 1 else self._add_to_window
+        step(
+            grads, table_grads, replica_measurement, variables, apply_fn,
+            already_unscaled, tables,
+        )
+
+    def _add_to_window(
+        self, grads, table_grads, replica_measurement, variables, apply_fn,
+        already_unscaled, tables,
+    ):
+        """Adds one micro-batch to the window (its unscaled gradients and
+        statistics); the window's last micro-batch decides for all."""
         regular = self._regular(variables)
         state = self._scale_state()
         steps = [
@@ -657,8 +663,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not already_unscaled:
             for i, log2_divisor in self._log2_divisors(state, steps, regular).items():
                 unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
-        if tables or replica_measurement:
-            measurement = ops.zeros((stats.NUM_BINS + 2,)) if tables else replica_measurement[0]
+        if tables:  # per layer, the tables carry the statistics
+            measurement = ops.zeros((stats.NUM_BINS + 2,))
+        elif replica_measurement:  # each replica's, combined
+            (measurement,) = replica_measurement
         else:
             measurement, _ = self._replica_measurement(grads, variables, already_unscaled)
         index = self._get_variable_index
