@@ -131,6 +131,18 @@ def _results(group=GROUPS[0]):
     return results
 
 
+def assert_same_weight_changes(mirrored, single, initial, *, rtol, share,
+                               moved_more_than=None):
+    """Each weight's change under the strategy against one device's: within
+    `rtol` and `share` of that tensor's largest change on one device."""
+    for m, s, w0 in zip(mirrored["weights"], single["weights"], initial):
+        moved = np.subtract(s, w0)
+        if moved_more_than is not None:
+            assert np.abs(moved).max() > moved_more_than
+        np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=rtol,
+                                   atol=share * np.abs(moved).max())
+
+
 def _scenario(name):
     (group,) = [g for g in GROUPS if name in g]
     result = _results(group)[name]
@@ -265,10 +277,7 @@ def test_mirrored_matches_single_device_adaptive_float16():
     # distribution code; not yet explained.)
     for m, s in zip(mirrored["slots"], single["slots"]):
         np.testing.assert_allclose(m, s, rtol=0.0, atol=0.1 * np.abs(s).max() + 1e-7)
-    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
-        moved = np.subtract(s, w0)
-        np.testing.assert_allclose(
-            np.subtract(m, w0), moved, rtol=0.0, atol=0.1 * np.abs(moved).max())
+    assert_same_weight_changes(mirrored, single, r["initial"], rtol=0.0, share=0.1)
 
 
 # ---------------------------------------------------------------------------
@@ -334,11 +343,8 @@ def test_per_layer_fit_replicas_agree_and_match_single_device():
     # Each weight's change within 10% of the tensor's largest change on one
     # device (float16 rounding of the per-replica sums): a doubled or halved
     # update cannot pass.
-    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
-        moved = np.subtract(s, w0)
-        assert np.abs(moved).max() > 0
-        np.testing.assert_allclose(
-            np.subtract(m, w0), moved, rtol=0.0, atol=0.1 * np.abs(moved).max())
+    assert_same_weight_changes(mirrored, single, r["initial"], rtol=0.0, share=0.1,
+                               moved_more_than=0)
 
 
 def test_per_layer_fixed_scales_exact_under_strategy():
@@ -407,11 +413,8 @@ def test_make_train_step_under_the_strategy_matches_one_device(model):
     assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
     np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
     # float32: the same update to rounding; a doubled or halved one fails.
-    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
-        moved = np.subtract(s, w0)
-        assert np.abs(moved).max() > 1e-3
-        np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=1e-4,
-                                   atol=1e-4 * np.abs(moved).max())
+    assert_same_weight_changes(mirrored, single, r["initial"], rtol=1e-4, share=1e-4,
+                               moved_more_than=1e-3)
 
 
 def test_fit_accumulation_under_the_strategy_matches_one_device():
@@ -422,8 +425,5 @@ def test_fit_accumulation_under_the_strategy_matches_one_device():
     assert mirrored["iterations"] == single["iterations"] == 2
     assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
     np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
-    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
-        moved = np.subtract(s, w0)
-        assert np.abs(moved).max() > 1e-4
-        np.testing.assert_allclose(np.subtract(m, w0), moved, rtol=1e-4,
-                                   atol=1e-4 * np.abs(moved).max())
+    assert_same_weight_changes(mirrored, single, r["initial"], rtol=1e-4, share=1e-4,
+                               moved_more_than=1e-4)

@@ -34,9 +34,9 @@ def run_step(
             handed to `step_fn` after `grads`: each is gathered from every
             replica (stacked on a new first axis) and `combine`d.
         replica_statistics: Optional `() -> (tensor, combine)`, statistics
-            taken only when there are several replicas (on one device the
-            summed gradients are this replica's own), gathered like
-            `statistics` and handed to `step_fn` last.
+            taken only under a strategy (without one, the summed gradients
+            are this replica's own), gathered like `statistics` and handed to
+            `step_fn` last.
 
     Returns:
         None.

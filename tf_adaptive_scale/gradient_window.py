@@ -12,6 +12,16 @@ from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 
 
+def accumulate(total, value, is_statistics):
+    """`total` with one more micro-batch's `value`: a gradient adds up in
+    float32; an instrumented model's statistics combine as replicas' do
+    (counts add up, peaks take the max)."""
+    value = ops.cast(value, "float32")
+    if is_statistics:
+        return gradient_scale.combine_replicas(ops.stack([total, value]))
+    return total + value
+
+
 class GradientWindow:
     """The optimizer state of a window: sums, statistics and a count.
 
@@ -57,15 +67,9 @@ class GradientWindow:
         """
         last = ops.equal(self.count + 1, self.steps)
         for i, value in values.items():
-            value = ops.cast(value, "float32")
-            if self.is_statistics[i]:
-                self.sums[i].assign(
-                    gradient_scale.combine_replicas(
-                        ops.stack([self.sums[i].value, value])
-                    )
-                )
-            else:
-                self.sums[i].assign_add(value)
+            self.sums[i].assign(
+                accumulate(self.sums[i].value, value, self.is_statistics[i])
+            )
         self.measurement.assign(
             stats.combine_measurements(
                 ops.stack([self.measurement.value, measurement])

@@ -659,10 +659,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self._table_step(table, statistics, variables, regular)
             for (_, table), statistics in zip(tables, table_grads)
         ]
-        unscaled = list(grads)
-        if not already_unscaled:
-            for i, log2_divisor in self._log2_divisors(state, steps, regular).items():
-                unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+        unscaled = grads if already_unscaled else _unscale(
+            grads, self._log2_divisors(state, steps, regular)
+        )
         if tables:  # per layer, the tables carry the statistics
             measurement = ops.zeros((stats.NUM_BINS + 2,))
         elif replica_measurement:  # each replica's, combined
@@ -729,10 +728,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             """The unscaled and the clipped (applied) gradients; a pure
             function of the summed gradients, so every replica can apply it
             to its own copy of the sum."""
-            unscaled = list(grads)
-            if not already_unscaled:
-                for i, log2_divisor in log2_divisors.items():
-                    unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+            unscaled = grads if already_unscaled else _unscale(grads, log2_divisors)
             clipped, commit = self._clip(
                 [unscaled[i] for i in regular], [variables[i] for i in regular]
             )
@@ -1060,6 +1056,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             }
         )
         return config
+
+
+def _unscale(grads, log2_divisors):
+    """`grads` with those at the indices of `log2_divisors` divided by their
+    power of two."""
+    unscaled = list(grads)
+    for i, log2_divisor in log2_divisors.items():
+        unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+    return unscaled
 
 
 def _times(g, factor):

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import validation
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
@@ -227,7 +227,7 @@ class TrainStep:
             grads, loss = micro_batch(i)
             summed, total = carry
             return [
-                _accumulate(a, g, statistics)
+                gradient_window.accumulate(a, g, statistics)
                 for a, g, statistics in zip(summed, grads, self._is_statistics)
             ], total + loss
 
@@ -289,14 +289,6 @@ def _map(fn, structure):
 def _split(tensor, parts):
     """`tensor` cut along its first axis into a new first axis of `parts`."""
     return ops.reshape(tensor, (parts, -1, *tensor.shape[1:]))
-
-
-def _accumulate(summed, g, is_statistics):
-    """Adds a micro-batch's gradient to the window's; a ScaleTable's
-    statistics combine as replicas' do (counts add up, peaks take the max)."""
-    if is_statistics:
-        return gradient_scale.combine_replicas(ops.stack([summed, g]))
-    return summed + ops.cast(g, "float32")
 
 
 def _loss(loss_fn):
