@@ -36,6 +36,7 @@ Statistics columns, per unit (row), all zero on steps that do not measure:
   its own backward, all overflowed.
 """
 
+import functools
 import math
 
 import keras
@@ -259,18 +260,47 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     # in a block, the layers they reach have their own checks.
     if producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
-    # Only the edge's two rows leave the conditional (a full table per edge
-    # would be materialised, and summed over edges, on every step); placing
-    # them in the table is a constant one-hot product XLA fuses into that sum.
-    rows = ops.cond(
-        control[-1] > 0,
-        lambda: _statistics(dy, control, producer, consumer, input_dtype),
-        lambda: ops.zeros((2, statistics_shape[1]), "float32"),
+    standard = keras.backend.standardize_dtype
+    rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(
+        ops.reshape(dy, (-1,)), control, producer, consumer
     )
+    # Placing the edge's two rows in the table is a constant one-hot product
+    # XLA fuses into the sum over edges (a full table per edge would be
+    # materialised on every step).
     units = statistics_shape[0]
     table = ops.one_hot(producer, units)[:, None] * rows[0][None, :]
     table = table + ops.one_hot(consumer, units)[:, None] * rows[1][None, :]
     return dx, ops.zeros_like(control), table
+
+
+@functools.cache
+def _measured_rows(dtype, input_dtype):
+    """`rows(flat_dy, control, producer, consumer)`: an edge's statistics
+    rows on measured steps, zeros on others, for gradients `dy` of `dtype`
+    converted to `input_dtype`.
+
+    One graph function per dtype, traced once and called by every edge:
+    tracing each edge's own conditional and histogram made a deep model's
+    first step several times stock's. XLA inlines it at each call.
+    """
+
+    def rows(dy, control, producer, consumer):
+        return tf.cond(
+            control[-1] > 0,
+            lambda: _statistics(dy, control, producer, consumer, input_dtype),
+            lambda: tf.zeros((2, NUM_COLUMNS), "float32"),
+        )
+
+    return tf.function(
+        rows,
+        input_signature=[
+            tf.TensorSpec([None], dtype),
+            tf.TensorSpec([None], "float32"),
+            tf.TensorSpec([], "int32"),
+            tf.TensorSpec([], "int32"),
+        ],
+        autograph=False,
+    )
 
 
 def _statistics(dy, control, producer, consumer, input_dtype):

@@ -10,6 +10,8 @@ All functions work on the last axis, so a stack of histograms (one row per
 tensor, as the per-layer scales need) goes through the same code.
 """
 
+import typing
+
 import numpy as np
 from keras import ops
 
@@ -41,7 +43,17 @@ def pow2(exponent):
     exponent = ops.convert_to_tensor(exponent, "float32")
     # Rounded: exponents from ops.log2 can be an ulp off an integer.
     biased = ops.cast(ops.round(ops.clip(exponent, -126, 127)), "int32") + 127
-    return ops.view(biased * (1 << 23), "float32")
+    return ops.view(ops.left_shift(biased, 23), "float32")
+
+
+class GroupStatistics(typing.NamedTuple):
+    """What `grouped_statistics` returns, per group (see there)."""
+
+    histograms: typing.Any
+    max_abs: typing.Any
+    zeros: typing.Any
+    non_finite: typing.Any
+    squares: typing.Any
 
 
 def exponent_histogram(tensors, log2_scale=0.0):
@@ -63,23 +75,63 @@ def exponent_histogram(tensors, log2_scale=0.0):
     >>> int(hist[-1 - EXPONENT_MIN]), int(hist[1 - EXPONENT_MIN])
     (1, 1)
     """
-    histogram = ops.zeros((NUM_BINS,), "float32")
-    max_abs = ops.zeros((), "float32")
-    for tensor in tensors:
-        magnitude = ops.cast(ops.abs(ops.reshape(tensor, (-1,))), "float32")
-        counted = ops.logical_and(
-            ops.isfinite(magnitude), ops.greater(magnitude, 0.0)
-        )
-        safe = ops.where(counted, magnitude, 1.0)
-        exponent = _exponent(safe) - log2_scale - EXPONENT_MIN
-        bins = ops.cast(ops.clip(exponent, 0, NUM_BINS - 1), "int32")
-        histogram = histogram + ops.segment_sum(
-            ops.cast(counted, "float32"), bins, num_segments=NUM_BINS
-        )
-        max_abs = ops.maximum(
-            max_abs, ops.max(ops.where(counted, magnitude, 0.0))
-        )
-    return histogram, max_abs * pow2(-log2_scale)
+    group = grouped_statistics(tensors, [0] * len(tensors), 1, log2_scale)
+    return group.histograms[0], group.max_abs[0]
+
+
+def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
+    """Per group of tensors, in one pass over all their values: the exponent
+    histogram and largest |value| (as `exponent_histogram`), the numbers of
+    exact zeros and of non-finite values, and the sum of squares of the
+    finite values.
+
+    One concatenation and one segment sum for any number of tensors: a
+    histogram per tensor made the compiled step's program, and its compile
+    time, grow by dozens of instructions per variable.
+
+    Args:
+        tensors: A list of tensors (any shape, any float dtype).
+        groups: The group index (int) of each tensor.
+        num_groups: Number of groups.
+        log2_scale: As in `exponent_histogram`.
+
+    Returns:
+        A `GroupStatistics` of float32 tensors: `histograms`
+        `(num_groups, NUM_BINS)`; `max_abs`, `zeros`, `non_finite` and
+        `squares`, `(num_groups,)`; zero for an empty group.
+    """
+    flat = [ops.reshape(t, (-1,)) for t in tensors]
+    values = ops.concatenate([ops.cast(f, "float32") for f in flat])
+    owner = ops.concatenate(
+        [ops.zeros_like(f, "int32") + g for f, g in zip(flat, groups)]
+    )
+    magnitude = ops.abs(values)
+    finite = ops.isfinite(magnitude)
+    counted = ops.logical_and(finite, ops.greater(magnitude, 0.0))
+    exponent = _exponent(ops.where(counted, magnitude, 1.0)) - log2_scale
+    bins = ops.cast(ops.clip(exponent - EXPONENT_MIN, 0, NUM_BINS - 1), "int32")
+    histograms = ops.segment_sum(
+        ops.cast(counted, "float32"), owner * NUM_BINS + bins,
+        num_segments=num_groups * NUM_BINS,
+    )
+
+    def per_group(reduce, data):
+        return reduce(data, owner, num_segments=num_groups)
+
+    peaks = ops.maximum(
+        per_group(ops.segment_max, ops.where(counted, magnitude, 0.0)), 0.0
+    )
+    return GroupStatistics(
+        histograms=ops.reshape(histograms, (num_groups, NUM_BINS)),
+        max_abs=peaks * pow2(-log2_scale),
+        zeros=per_group(
+            ops.segment_sum, ops.cast(ops.equal(magnitude, 0.0), "float32")
+        ),
+        non_finite=per_group(ops.segment_sum, ops.cast(~finite, "float32")),
+        squares=per_group(
+            ops.segment_sum, ops.where(finite, ops.square(values), 0.0)
+        ),
+    )
 
 
 def _exponent(magnitude):
@@ -88,7 +140,8 @@ def _exponent(magnitude):
     ulp, 32768 -> 14.999999). float32 subnormals read as -127."""
     # A static last axis: `ops.view` cannot check a dynamic one.
     bits = ops.reshape(ops.view(ops.reshape(magnitude, (-1, 1)), "int32"), (-1,))
-    return ops.cast(ops.floor_divide(bits, 1 << 23) - 127, "float32")
+    # The sign bit is clear: a shift, where a division costs a dozen steps.
+    return ops.cast(ops.right_shift(bits, 23) - 127, "float32")
 
 
 def mass_histogram(histogram):
@@ -113,17 +166,6 @@ def mass_histogram(histogram):
     return histogram * pow2(2.0 * ops.minimum(exponents - top, 0.0))
 
 
-def zero_count(tensors):
-    """The number of exact zeros in `tensors`, as a float32 scalar.
-
-    A float16 value lost to underflow is an exact zero afterwards, which the
-    exponent histogram cannot count; this can.
-    """
-    return sum(
-        ops.sum(ops.cast(ops.equal(t, 0), "float32")) for t in tensors
-    )
-
-
 def underflow_fraction(histogram, log2_scale, zeros=0.0):
     """Fraction of values below 2**-24 once multiplied by a scale.
 
@@ -131,7 +173,7 @@ def underflow_fraction(histogram, log2_scale, zeros=0.0):
         histogram: Exponent histogram(s) of unscaled values, shape
             `(..., NUM_BINS)`.
         log2_scale: Integer-valued exponent(s) of the scale, shape `(...)`.
-        zeros: Exact zeros among the values (see `zero_count`), counted as
+        zeros: Exact zeros among the values (`grouped_statistics`'s `zeros`), counted as
             underflowed: float16 cannot tell a value lost to underflow from
             a true zero, and hiding them would hide the loss.
 
@@ -209,8 +251,8 @@ __all__ = [
     "FLOAT16_MAX",
     "pow2",
     "exponent_histogram",
+    "grouped_statistics",
     "mass_histogram",
-    "zero_count",
     "underflow_fraction",
     "scale_bounds",
     "adaptive_log2_scale",

@@ -10,23 +10,6 @@ from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import scale_policy
 
 
-def per_unit_max(values, units, num_units):
-    """The max of `values` (one per variable) within each unit, 0 if none.
-
-    Args:
-        values: float32 vector, one entry per variable.
-        units: int list, the unit of each variable.
-        num_units: Number of units.
-
-    Returns:
-        float32 vector `(num_units,)`.
-    """
-    peak = ops.segment_max(
-        values, ops.array(units, "int32"), num_segments=num_units
-    )
-    return ops.maximum(peak, 0.0)
-
-
 def layer_log2_scales(statistics, weight_max, underflow_rate, log2_headroom,
                       weigh=None):
     """Each unit's scale exponent by the adaptive rule, unbounded.
@@ -157,16 +140,10 @@ class TableStep:
         none = ops.zeros((units,), "bool")
 
         def measure():
-            weight_max = self._per_unit_max(
-                lambda g: ops.max(ops.where(ops.isfinite(g), ops.abs(g), 0.0)),
-                grads,
-            )
-            return self.rule(self.statistics, weight_max)
+            return self.rule(self.statistics, self._per_unit(grads).max_abs)
 
         def locate():
-            return self._per_unit_max(
-                lambda g: ops.cast(~ops.all(ops.isfinite(g)), "float32"), grads
-            ) > 0
+            return self._per_unit(grads).non_finite > 0
 
         proposed, seen = ops.cond(
             self.measured, measure,
@@ -208,10 +185,12 @@ class TableStep:
         )
         return new
 
-    def _per_unit_max(self, reduce, grads):
-        """`reduce` (a scalar per weight gradient), maxed within each unit."""
-        values = ops.stack([reduce(grads[p]) for p in self.positions])
-        return per_unit_max(values, self.units, len(self.table.unit_names))
+    def _per_unit(self, grads):
+        """`stats.grouped_statistics` of the weight gradients per unit."""
+        return stats.grouped_statistics(
+            [grads[p] for p in self.positions], self.units,
+            len(self.table.unit_names),
+        )
 
     def record(self, scheduled, scheduled_next, observation):
         """Keeps this step's statistics (skipped steps too: they show where

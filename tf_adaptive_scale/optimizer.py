@@ -516,10 +516,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
         def measure():
-            histogram, max_abs = stats.exponent_histogram(grads, log2_scale)
-            return ops.concatenate(
-                [histogram, ops.stack([stats.zero_count(grads), max_abs])]
-            )
+            total = stats.grouped_statistics(grads, [0] * len(grads), 1, log2_scale)
+            return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
 
         packed = ops.cond(
             ops.equal(self.steps_to_measure, 0),
@@ -858,15 +856,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         the scale is chosen from are the replicas' own, combined
         (`replica_measurement`); the per-variable records are of the sum.
         """
-        per_variable = [stats.exponent_histogram([g]) for g in unscaled]
-        histograms = ops.stack([h for h, _ in per_variable])
+        each = stats.grouped_statistics(
+            unscaled, range(len(unscaled)), len(unscaled)
+        )
+        histograms = each.histograms
         histogram = ops.sum(histograms, axis=0)
-        max_abs = ops.max(ops.stack([m for _, m in per_variable]))
-        zeros = stats.zero_count(unscaled)
+        max_abs = ops.max(each.max_abs)
+        zeros = ops.sum(each.zeros)
         if replica_measurement is not None:
             histogram = replica_measurement[: stats.NUM_BINS]
             zeros, max_abs = ops.unstack(replica_measurement[stats.NUM_BINS :])
-        norms = ops.stack([clipping.global_norm([g]) for g in unscaled])
+        norms = ops.sqrt(each.squares)
         self.variable_gradient_histograms.assign(
             ops.scatter_update(self.variable_gradient_histograms, rows, histograms)
         )
