@@ -25,6 +25,37 @@ def test_histogram_matches_numpy_and_ignores_zero_and_non_finite():
     assert float(np.sum(hist)) == 1000 + 4  # zeros, inf and nan not counted
 
 
+@pytest.mark.parametrize("log2_scale", [0.0, 5.0])
+def test_grouped_statistics_match_numpy_per_group(log2_scale):
+    """Groups of tensors of several dtypes in one pass: each group's
+    histogram, peak, zeros, non-finite count and squared norm as numpy
+    computes them group by group (group 2 is empty)."""
+    rng = np.random.default_rng(1)
+    tensors = [
+        (rng.standard_normal((7, 5)) * 2.0 ** rng.integers(-30, 5, (7, 5))).astype("float32"),
+        np.array([0.0, np.inf, 3.0, -np.nan, 0.0, 1e-3], "float16"),
+        (rng.standard_normal(300) * 1e-4).astype("float32"),
+        np.array([[0.0, -2.0**-70], [2.0**20, -np.inf]], "float32"),
+    ]
+    groups = [0, 1, 0, 3]
+    got = stats.grouped_statistics(
+        [ops.array(t) for t in tensors], groups, 4, log2_scale
+    )
+    for group in range(4):
+        values = np.concatenate(
+            [t.astype(np.float64).ravel() for t, g in zip(tensors, groups) if g == group]
+            or [np.zeros(0)]
+        )
+        histogram, peak = numpy_histogram(values)
+        shifted = np.roll(histogram, -int(log2_scale))  # counts of values / 2**s
+        finite = values[np.isfinite(values)]
+        np.testing.assert_array_equal(np.asarray(got.histograms[group])[: -8], shifted[: -8])
+        assert float(got.max_abs[group]) == pytest.approx(peak / 2.0**log2_scale)
+        assert float(got.zeros[group]) == np.sum(values == 0)
+        assert float(got.non_finite[group]) == np.sum(~np.isfinite(values))
+        assert float(got.squares[group]) == pytest.approx(np.sum(finite**2), rel=1e-5)
+
+
 def test_histogram_of_float16_tensor():
     x = np.array([2.0**-24, 2.0**-14, 65504.0], "float16")
     hist, max_abs = stats.exponent_histogram([ops.array(x)])

@@ -307,8 +307,9 @@ def _statistics(dy, control, producer, consumer, input_dtype):
     """This edge's statistics: its producer's row and its consumer's."""
     # One pass over dy, in its own dtype where it can: hoisting a float32
     # copy of dy out of the branch would cost every step.
-    histogram, unscaled_peak = stats.exponent_histogram([dy], control[consumer])
-    produced_bad = ~ops.all(ops.isfinite(dy))
+    measured = stats.grouped_statistics([dy], [0], 1, control[consumer])
+    histogram, unscaled_peak = measured.histograms[0], measured.max_abs[0]
+    produced_bad = measured.non_finite[0] > 0
     dtype_max = float(ml_dtypes.finfo(keras.backend.standardize_dtype(input_dtype)).max)
     converted_bad = unscaled_peak * stats.pow2(control[producer]) > dtype_max
     wide_peak = ops.zeros((), "float32")

@@ -22,6 +22,10 @@ from keras import ops
 EXPONENT_MIN = -88
 NUM_BINS = 128
 
+_ZERO_BIN = NUM_BINS
+_NON_FINITE_BIN = NUM_BINS + 1
+_BINS_WITH_EXTRAS = NUM_BINS + 2
+
 FLOAT16_MAX = 65504.0
 # floor(log2(x)) < -24  <=>  x < 2**-24, float16's smallest subnormal.
 FLOAT16_SUBNORMAL_EXPONENT = -24
@@ -110,24 +114,29 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     counted = ops.logical_and(finite, ops.greater(magnitude, 0.0))
     exponent = _exponent(ops.where(counted, magnitude, 1.0)) - log2_scale
     bins = ops.cast(ops.clip(exponent - EXPONENT_MIN, 0, NUM_BINS - 1), "int32")
-    histograms = ops.segment_sum(
-        ops.cast(counted, "float32"), owner * NUM_BINS + bins,
-        num_segments=num_groups * NUM_BINS,
+    # Zeros and non-finite values are counted in two more bins of the same
+    # segment sum, so that they cost no pass (or compiled loop) of their own.
+    bins = ops.where(finite, ops.where(counted, bins, _ZERO_BIN), _NON_FINITE_BIN)
+    counts = ops.segment_sum(
+        ops.ones_like(values), owner * _BINS_WITH_EXTRAS + bins,
+        num_segments=num_groups * _BINS_WITH_EXTRAS,
     )
+    counts = ops.reshape(counts, (num_groups, _BINS_WITH_EXTRAS))
 
-    def per_group(reduce, data):
-        return reduce(data, owner, num_segments=num_groups)
+    def per_group(segment_reduce, data):
+        if num_groups == 1:  # a reduction, where a segment op is a scatter
+            reduce = ops.max if segment_reduce is ops.segment_max else ops.sum
+            return ops.reshape(reduce(data), (1,))
+        return segment_reduce(data, owner, num_segments=num_groups)
 
     peaks = ops.maximum(
         per_group(ops.segment_max, ops.where(counted, magnitude, 0.0)), 0.0
     )
     return GroupStatistics(
-        histograms=ops.reshape(histograms, (num_groups, NUM_BINS)),
+        histograms=counts[:, :NUM_BINS],
         max_abs=peaks * pow2(-log2_scale),
-        zeros=per_group(
-            ops.segment_sum, ops.cast(ops.equal(magnitude, 0.0), "float32")
-        ),
-        non_finite=per_group(ops.segment_sum, ops.cast(~finite, "float32")),
+        zeros=counts[:, _ZERO_BIN],
+        non_finite=counts[:, _NON_FINITE_BIN],
         squares=per_group(
             ops.segment_sum, ops.where(finite, ops.square(values), 0.0)
         ),
