@@ -262,7 +262,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     standard = keras.backend.standardize_dtype
     rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(
-        ops.reshape(dy, (-1,)), control, producer, consumer
+        dy, control, producer, consumer
     )
     # Placing the edge's two rows in the table is a constant one-hot product
     # XLA fuses into the sum over edges (a full table per edge would be
@@ -275,7 +275,7 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
 
 @functools.cache
 def _measured_rows(dtype, input_dtype):
-    """`rows(flat_dy, control, producer, consumer)`: an edge's statistics
+    """`rows(dy, control, producer, consumer)`: an edge's statistics
     rows on measured steps, zeros on others, for gradients `dy` of `dtype`
     converted to `input_dtype`.
 
@@ -294,7 +294,9 @@ def _measured_rows(dtype, input_dtype):
     return tf.function(
         rows,
         input_signature=[
-            tf.TensorSpec([None], dtype),
+            # Any shape: flattening dy outside the branch would transpose
+            # it on every step where its layout is not row-major.
+            tf.TensorSpec(None, dtype),
             tf.TensorSpec([None], "float32"),
             tf.TensorSpec([], "int32"),
             tf.TensorSpec([], "int32"),
