@@ -16,6 +16,8 @@ backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA. They are taken
 only on measured steps: each edge has one small conditional on the `measure`
 flag, holding only its statistics, so other steps pay one fused multiply per
+edge. That conditional is one graph function per dtype, traced once and
+called by every edge, so a deep model's first step does not trace it per
 edge. (A conditional around the whole step was measured too: XLA on CPU then
 compiles the convolutions inside it as naive loops, 50x slower.)
 
