@@ -240,7 +240,8 @@ def test_each_measured_edge_calls_one_shared_conditional_holding_only_statistics
             loss = tf.reduce_mean(tf.square(inst(x, training=True) - y))
         return tape.gradient(loss, variables)
 
-    graph = forward_backward.get_concrete_function().graph.as_graph_def()
+    concrete = forward_backward.get_concrete_function()
+    graph = concrete.graph.as_graph_def()
     functions = {f.signature.name: f for f in graph.library.function}
     bodies = [graph.node] + [f.node_def for f in functions.values()]
     conditionals = [n for body in bodies for n in body if n.op in CONDITIONALS]
@@ -249,6 +250,13 @@ def test_each_measured_edge_calls_one_shared_conditional_holding_only_statistics
     calls = [n for body in bodies for n in body
              if "PartitionedCall" in n.op and n.attr["f"].func.name in holders]
     assert len(calls) == measured_boundaries(inst) > 0
+    # Gradients enter unflattened (this model has no rank-1 activations): a
+    # reshape outside the branch made XLA transpose non-row-major gradients
+    # on every step.
+    entering = [op.inputs[0].shape.rank for op in concrete.graph.get_operations()
+                if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+                and op.get_attr("f").name in holders]
+    assert len(entering) == len(calls) and min(entering) > 1
     # float16 edges, and the model's float32 output edge.
     assert len(conditionals) == len(holders) == 2
     heavy = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "BatchMatMulV2")
