@@ -330,6 +330,61 @@ def test_compiled_per_layer_step_keeps_convolutions_out_of_conditionals():
     assert hlo.count(" convolution(") == stock_hlo.count(" convolution(") > 0
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["adaptive", "per_layer"])
+def test_weight_update_compiles_to_selects_as_stock(per_layer):
+    """The apply-or-skip decision becomes selects fused with the update, as
+    for the stock optimizer, not a conditional holding the whole update (a
+    scatter in its skip branch kept one: slower on CPU, a host sync on GPU).
+    Adam's sqrt on the 5x7 kernel's slot marks the update."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(2)])
+    x = np.random.default_rng(0).standard_normal((4, 5)).astype("float32")
+    y = np.ones((4, 2), "float32")
+    update = re.compile(r"= f32\[5,7\]\S* sqrt\(")
+    stock = hlo_step(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()), x, y)
+    assert update.search(stock) and not [
+        line for body in computations_under_conditionals(stock).values()
+        for line in body if update.search(line)
+    ]
+    if per_layer:
+        model, optimizer = tas.instrument(model), per_layer_optimizer(keras.optimizers.Adam())
+    else:
+        optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+    hlo = hlo_step(model, optimizer, x, y)
+    assert update.search(hlo)
+    assert not [
+        line for body in computations_under_conditionals(hlo).values()
+        for line in body if update.search(line)
+    ]
+
+
+def test_instrumented_model_traces_its_first_step_once():
+    """`compile` builds the optimizer, so the first step creates no variable
+    and TensorFlow traces it once, not twice (stock Keras builds it inside
+    the first trace); building again changes nothing."""
+    model, x, y = conv_net()
+    inst = tas.instrument(model)
+    optimizer = per_layer_optimizer()
+    inst.compile(optimizer, "mse", jit_compile=True)
+    assert optimizer.built
+    count = len(optimizer.variables)
+    optimizer.build(inst.trainable_variables)
+    assert len(optimizer.variables) == count
+    with pytest.raises(ValueError, match="already built"):
+        optimizer.build(inst.trainable_variables[:1])
+    traces = []
+    train_step = inst.train_step
+
+    def counted(data):
+        traces.append(1)
+        return train_step(data)
+
+    inst.train_step = counted
+    inst.train_on_batch(x, y)
+    inst.train_on_batch(x, y)
+    assert len(traces) == 1
+
+
 def test_fit_updates_batch_norm_statistics_as_float32_does():
     reference, x, y = build("convolutional", "float32")
     weights = reference.get_weights()

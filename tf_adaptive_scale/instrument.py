@@ -1,6 +1,7 @@
 """`instrument`: places gradient-scale boundaries on every edge of a model."""
 
 import keras
+import tensorflow as tf
 
 from tf_adaptive_scale import validation
 
@@ -227,6 +228,12 @@ class InstrumentedModel(keras.Model):
                 f"only). Received: optimizer={optimizer!r}"
             )
         super().compile(optimizer, *args, **kwargs)
+        # Built now, not inside the first traced step: variables created
+        # while tracing make TensorFlow trace the step a second time (about
+        # a third of a per-layer model's first step). Under a strategy,
+        # Keras builds it in the strategy's scope when `fit` starts.
+        if optimizer is not None and not tf.distribute.has_strategy():
+            self.optimizer.build(self.trainable_variables)
 
     def train_step(self, *args, **kwargs):
         if getattr(self, "optimizer", None) is None:
@@ -240,7 +247,7 @@ class InstrumentedModel(keras.Model):
     def compile_from_config(self, config):
         # Keras skips this for models whose compile() is overridden.
         self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built and self.optimizer is not None:
+        if self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
 
 
