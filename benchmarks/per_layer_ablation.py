@@ -1,0 +1,145 @@
+"""Where a per-layer step's cost over stock comes from: an ablation.
+
+Every variant gets its own copy of one family's model (`step_cost.py`'s
+families, same weights, `mixed_float16`, `Adam()`, XLA unless `--no-xla`),
+timed interleaved (`timing.py`), as ratios to the stock optimizer:
+
+- `stock_again`: a second stock copy, the run's noise;
+- `adaptive`: the global adaptive optimizer (its own bookkeeping);
+- `per_layer`: `tas.instrument` + `scaling="per_layer"`, `update_every=100`;
+- `no_statistics`: the same, with edges that only convert the gradient
+  (the statistics conditionals removed; scales held at 1, so that units
+  seeing nothing do not ask to be measured every step);
+- `boundaries_only`: the same, with edges that pass the gradient unchanged;
+- `stock_on_boundaries`: the stock optimizer on the instrumented graph whose
+  edges only convert (the boundaries' cost without the per-layer optimizer).
+
+The edge variants replace `gradient_scale._convert` while their model's
+step is traced (benchmark-only surgery: training with them is meaningless);
+no step is retraced afterwards.
+
+Run: PYTHONPATH=. python benchmarks/per_layer_ablation.py [--families cnn,unet]
+     [--steps 150] [--no-xla]
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import keras
+from keras import ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_cost  # noqa: E402
+import timing  # noqa: E402
+
+import tf_adaptive_scale as tas  # noqa: E402
+from tf_adaptive_scale import gradient_scale  # noqa: E402
+
+
+def _convert_only(dy, control, statistics_shape, producer, consumer, input_dtype):
+    factor = gradient_scale.stats.pow2(control[producer] - control[consumer])
+    dx = ops.cast(ops.cast(dy, "float32") * factor, input_dtype)
+    return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
+
+
+def _pass_through(dy, control, statistics_shape, producer, consumer, input_dtype):
+    return (
+        ops.cast(dy, input_dtype),
+        ops.zeros_like(control),
+        ops.zeros(statistics_shape, "float32"),
+    )
+
+
+@contextlib.contextmanager
+def _edges(convert):
+    original = gradient_scale._convert
+    gradient_scale._convert = convert or original
+    try:
+        yield
+    finally:
+        gradient_scale._convert = original
+
+
+def _stock():
+    return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
+
+
+def _per_layer():
+    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling="per_layer")
+
+
+def _per_layer_blind():
+    """Per layer, held at scale 1: with no statistics every unit would look
+    all-underflowed and be measured again each step, climbing."""
+    return tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="per_layer", max_scale=1.0
+    )
+
+
+# name: (instrumented, edge function, optimizer)
+VARIANTS = {
+    "stock": (False, None, _stock),
+    "stock_again": (False, None, _stock),
+    "adaptive": (False, None, lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())),
+    "per_layer": (True, None, _per_layer),
+    "no_statistics": (True, _convert_only, _per_layer_blind),
+    "boundaries_only": (True, _pass_through, _per_layer_blind),
+    "stock_on_boundaries": (True, _convert_only, _stock),
+}
+
+
+def measure_family(family, jit_compile, steps, seed=0):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(seed)
+    reference, shape = step_cost.FAMILIES[family]()
+    weights = reference.get_weights()
+    batch = step_cost.batch_for(reference, shape, seed)
+    models, traces = {}, {}
+    for name, (instrumented, convert, make_optimizer) in VARIANTS.items():
+        keras.utils.set_random_seed(seed)
+        model, _ = step_cost.FAMILIES[family]()
+        model.set_weights(weights)
+        if instrumented:
+            model = tas.instrument(model)
+            if make_optimizer is _stock:  # a plain model over the same graph
+                model = keras.Model(model.inputs, model.outputs)
+        model.compile(
+            make_optimizer(),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+        traces[name] = 0
+        timing.count_traces(model, traces, name)
+        with _edges(convert):
+            for _ in range(3):
+                model.train_on_batch(*batch)
+        models[name] = model
+    warm = dict(traces)
+    ratios = timing.interleave(models, batch, steps, seed)
+    retraced = [name for name in models if traces[name] != warm[name]]
+    keras.backend.clear_session()
+    return {name: r["wall_median"] for name, r in ratios.items()}, retraced
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default="cnn,unet,transformer")
+    parser.add_argument("--steps", type=int, default=150, help="timed rounds")
+    parser.add_argument("--no-xla", dest="xla", action="store_false")
+    args = parser.parse_args(argv)
+    names = [n for n in VARIANTS if n != "stock"]
+    print(f"Median step time / stock's, XLA {'on' if args.xla else 'off'}, "
+          f"{args.steps} interleaved rounds\n")
+    print("| family | " + " | ".join(f"`{n}`" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for family in args.families.split(","):
+        ratios, retraced = measure_family(family, args.xla, args.steps)
+        row = " | ".join(f"{ratios[n]:.3f}" for n in names)
+        print(f"| {family} | {row} |" + (f" retraced: {retraced}" if retraced else ""),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
