@@ -105,13 +105,7 @@ def measure_family(family, jit_compile, steps, seed=0):
             model = tas.instrument(model)
             if make_optimizer is _stock:  # a plain model over the same graph
                 model = keras.Model(model.inputs, model.outputs)
-        model.compile(
-            make_optimizer(),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=jit_compile,
-        )
-        traces[name] = 0
-        timing.count_traces(model, traces, name)
+        timing.compile_counted(model, make_optimizer(), jit_compile, traces, name)
         with _edges(convert):
             for _ in range(3):
                 model.train_on_batch(*batch)

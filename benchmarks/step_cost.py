@@ -157,13 +157,7 @@ def measure_family(family, jit_compile, steps, seed=0):
             began = time.perf_counter()
             model = tas.instrument(model)
             instrument_seconds = time.perf_counter() - began
-        model.compile(
-            make_optimizer(),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=jit_compile,
-        )
-        traces[name] = 0
-        timing.count_traces(model, traces, name)
+        timing.compile_counted(model, make_optimizer(), jit_compile, traces, name)
         began = time.perf_counter()
         model.train_on_batch(*batch)
         first[name] = time.perf_counter() - began

@@ -52,6 +52,18 @@ def interleave(models, batch, steps, seed=0, reference="stock"):
     }
 
 
+def compile_counted(model, optimizer, jit_compile, counter, name):
+    """Compiles `model` for the benchmarks' classification batches and
+    counts its `train_step` traces in `counter[name]`."""
+    model.compile(
+        optimizer,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
+    counter[name] = 0
+    count_traces(model, counter, name)
+
+
 def count_traces(model, counter, name):
     """Counts traces of `train_step` (its Python body runs only on tracing)."""
     train_step = model.train_step
