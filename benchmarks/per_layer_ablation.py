@@ -62,12 +62,8 @@ def _edges(convert):
         gradient_scale._convert = original
 
 
-def _stock():
-    return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
-
-
-def _per_layer():
-    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling="per_layer")
+_stock = step_cost.VARIANTS["stock"][1]
+_per_layer = step_cost.VARIANTS["per_layer_100"][1]
 
 
 def _per_layer_blind():
