@@ -13,10 +13,12 @@ from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 from tf_adaptive_scale.optimizer import SkippedStepsError
-from tf_adaptive_scale.train_step import TrainStep
-from tf_adaptive_scale.train_step import make_train_step
 
 __version__ = "0.1.0"
+
+# TensorFlow-specific, imported on first use: on JAX, TensorFlow is never
+# imported.
+_TENSORFLOW_ONLY = {"TrainStep", "make_train_step"}
 
 
 def __getattr__(name):
@@ -26,6 +28,18 @@ def __getattr__(name):
         from tf_adaptive_scale.report import plot_report
 
         return plot_report
+    if name in _TENSORFLOW_ONLY:
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            raise AttributeError(
+                f"tf_adaptive_scale.{name} is TensorFlow-specific (tf.function, "
+                f"tf.distribute); the Keras backend is {keras.backend.backend()!r}. "
+                "On JAX, use model.fit or optimizer.stateless_apply in your loop."
+            )
+        from tf_adaptive_scale import train_step
+
+        return getattr(train_step, name)
     raise AttributeError(f"module 'tf_adaptive_scale' has no attribute {name!r}")
 
 

@@ -44,9 +44,9 @@ import math
 import keras
 import ml_dtypes
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
+from tf_adaptive_scale import backends
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -109,10 +109,14 @@ class ScaleTable(keras.layers.Layer):
         self.initial_scale = validation.power_of_two("initial_scale", initial_scale)
         units = len(self.unit_names)
         initial = [0.0] + [math.log2(initial_scale)] * (units - 1)
+        # The optimizer writes the scales. On JAX it can only return new
+        # values of trainable and optimizer variables (`stateless_apply`):
+        # there they are trainable, tagged `scale_state`, and never trained.
+        state_is_trainable = not backends.TENSORFLOW
         self.log2_scales = self.add_weight(
             shape=(units,),
             initializer=keras.initializers.Constant(initial),
-            trainable=False,
+            trainable=state_is_trainable,
             name="log2_scales",
         )
         # The cap on each unit's scale, lowered where it overflowed; 127
@@ -121,15 +125,17 @@ class ScaleTable(keras.layers.Layer):
         self.log2_ceilings = self.add_weight(
             shape=(units,),
             initializer=keras.initializers.Constant(NO_CAP),
-            trainable=False,
+            trainable=state_is_trainable,
             name="log2_ceilings",
         )
         self.measure = self.add_weight(
             shape=(),
             initializer="ones",
-            trainable=False,
+            trainable=state_is_trainable,
             name="measure",
         )
+        for state in (self.log2_scales, self.log2_ceilings, self.measure):
+            state.scale_state = self
         self.statistics = self.add_weight(
             shape=(units, NUM_COLUMNS),
             initializer="zeros",
@@ -141,7 +147,7 @@ class ScaleTable(keras.layers.Layer):
 
     def call(self, anchor):
         control = ops.concatenate(
-            [ops.convert_to_tensor(self.log2_scales), ops.reshape(self.measure, (1,))]
+            [ops.convert_to_tensor(self.log2_scales), ops.reshape(self.measure.value, (1,))]
         )
         # `statistics` passes through the identity so that it has a gradient.
         return ops.stop_gradient(control), ops.convert_to_tensor(
@@ -207,6 +213,10 @@ class GradientScale(keras.layers.Layer):
             )
 
         # A sparse or ragged tensor's gradient flows through its values.
+        if not backends.TENSORFLOW:
+            return convert(x)
+        import tensorflow as tf
+
         if isinstance(x, tf.SparseTensor):
             return tf.SparseTensor(x.indices, convert(x.values), x.dense_shape)
         if isinstance(x, tf.RaggedTensor):
@@ -287,11 +297,15 @@ def _measured_rows(dtype, input_dtype):
     """
 
     def rows(dy, control, producer, consumer):
-        return tf.cond(
+        return ops.cond(
             control[-1] > 0,
             lambda: _statistics(dy, control, producer, consumer, input_dtype),
-            lambda: tf.zeros((2, NUM_COLUMNS), "float32"),
+            lambda: ops.zeros((2, NUM_COLUMNS), "float32"),
         )
+
+    if not backends.TENSORFLOW:
+        return rows
+    import tensorflow as tf
 
     return tf.function(
         rows,

@@ -86,6 +86,6 @@ class GradientWindow:
 
     def reset(self):
         for total in self.sums:
-            total.assign(ops.zeros_like(total))
-        self.measurement.assign(ops.zeros_like(self.measurement))
+            total.assign(ops.zeros(total.shape))
+        self.measurement.assign(ops.zeros(self.measurement.shape))
         self.count.assign(0)

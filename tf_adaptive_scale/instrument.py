@@ -1,8 +1,8 @@
 """`instrument`: places gradient-scale boundaries on every edge of a model."""
 
 import keras
-import tensorflow as tf
 
+from tf_adaptive_scale import backends
 from tf_adaptive_scale import validation
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
@@ -232,7 +232,7 @@ class InstrumentedModel(keras.Model):
         # while tracing make TensorFlow trace the step a second time (about
         # a third of a per-layer model's first step). Under a strategy,
         # Keras builds it in the strategy's scope when `fit` starts.
-        if optimizer is not None and not tf.distribute.has_strategy():
+        if optimizer is not None and not backends.has_strategy():
             self.optimizer.build(self.trainable_variables)
 
     def train_step(self, *args, **kwargs):

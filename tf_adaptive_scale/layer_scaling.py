@@ -114,11 +114,11 @@ class TableStep:
         self.flags = statistics[
             :, boundary.PRODUCED_NON_FINITE : boundary.RECEIVED_NON_FINITE + 1
         ]
-        self.measured = table.measure > 0
+        self.measured = table.measure.value > 0
 
     def log2_divisors(self):
         """`{position: log2 scale}` of every weight this table governs."""
-        scales = ops.convert_to_tensor(self.table.log2_scales)
+        scales = self.table.log2_scales.value
         return {p: scales[u] for p, u in zip(self.positions, self.units)}
 
     def backward_finite(self):
@@ -175,8 +175,8 @@ class TableStep:
             The policy's next `ScaleState` (with this table's vectors).
         """
         state = state._replace(
-            log2_scale=ops.convert_to_tensor(self.table.log2_scales),
-            log2_ceiling=ops.convert_to_tensor(self.table.log2_ceilings),
+            log2_scale=self.table.log2_scales.value,
+            log2_ceiling=self.table.log2_ceilings.value,
         )
         new = self.policy.next_state(state, observation)
         self.table.log2_scales.assign(_keep_loss_unit(new.log2_scale))
@@ -206,9 +206,9 @@ class TableStep:
         missed = scheduled & ~self.measured
         # A unit whose gradient all underflowed rises UNSEEN_STEP binades per
         # measurement: measure again at once until it sees values or its cap.
-        scales = ops.convert_to_tensor(self.table.log2_scales)
+        scales = self.table.log2_scales.value
         below_cap = scales < ops.minimum(
-            ops.convert_to_tensor(self.table.log2_ceilings), self.policy.log2_max
+            self.table.log2_ceilings.value, self.policy.log2_max
         )
         blind = ~observation.seen & below_cap
         rising = self.measured & observation.finite & ops.any(_keep_loss_unit(blind, False))

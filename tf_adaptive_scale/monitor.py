@@ -16,8 +16,8 @@ import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 
+from tf_adaptive_scale import backends
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -88,7 +88,8 @@ class ScaleMonitor(keras.callbacks.Callback):
 
     Args:
         every_n_steps: Steps between two reports.
-        log_dir: Optional directory for TensorBoard events and JSON lines.
+        log_dir: Optional directory for TensorBoard events (TensorFlow
+            backend) and JSON lines.
         json_lines: Write `scale_monitor.jsonl` into `log_dir`.
         optimizer: The optimizer, for custom loops (`model.fit` uses the
             model's).
@@ -219,8 +220,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         float16 = opt.scaling != "none"
         layers = {}
         for i, v in enumerate(variables):
-            if hasattr(v, "scale_table"):
-                continue  # an instrumented model's statistics
+            if hasattr(v, "scale_table") or hasattr(v, "scale_state"):
+                continue  # an instrumented model's statistics and scales
             layer = layers.setdefault(
                 layer_of(v),
                 {"sq": 0.0, "histogram": np.zeros(stats.NUM_BINS), "log2_scale": global_log2},
@@ -304,16 +305,17 @@ class ScaleMonitor(keras.callbacks.Callback):
             with open(os.path.join(self.log_dir, JSON_LINES_FILE), mode) as f:
                 f.write(json.dumps(record) + "\n")
         if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        step = record["step"]
-        with self._writer.as_default(step=step):
-            for key, value in self._flat(record).items():
-                _write_scalar(key, value)
-            if not self.per_layer_logs:
-                for name, entry in record["layers"].items():
-                    _write_scalar(f"layer/{name}/grad_norm", entry["grad_norm"])
+            self._writer = _event_writer(self.log_dir)
+        scalars = self._flat(record)
+        if not self.per_layer_logs:
             for name, entry in record["layers"].items():
-                _write_exponent_histogram(f"layer/{name}/exponents", entry["histogram"])
+                scalars[f"layer/{name}/grad_norm"] = entry["grad_norm"]
+        self._writer.write(
+            record["step"],
+            scalars,
+            {f"layer/{name}/exponents": entry["histogram"]
+             for name, entry in record["layers"].items()},
+        )
 
     def _flag(self, record, layer, kind, message):
         if (layer, kind) in self._flagged:
@@ -415,23 +417,20 @@ class ScaleMonitor(keras.callbacks.Callback):
         return cls(**config)
 
 
-def _write_scalar(tag, value):
-    """A TensorBoard scalar, in the scalars plugin's format, written without
-    the `tensorboard` package (`tf.summary.scalar` needs it installed)."""
-    metadata = tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars")
-    )
-    tf.summary.write(tag, tf.constant(float(value), tf.float32), metadata=metadata)
+def _event_writer(log_dir):
+    """TensorBoard events on TensorFlow; elsewhere none (JSON lines only)."""
+    if not backends.TENSORFLOW:
+        return _NoEvents()
+    from tf_adaptive_scale import tensorboard_events
+
+    return tensorboard_events.EventWriter(log_dir)
 
 
-def _write_exponent_histogram(tag, histogram):
-    """A TensorBoard histogram whose buckets are the binary exponents
-    (`[left, right, count]` rows, the histogram plugin's format)."""
-    histogram = np.asarray(histogram, np.float64)
-    left = np.arange(histogram.size, dtype=np.float64) + stats.EXPONENT_MIN
-    buckets = np.stack([left, left + 1.0, histogram], axis=1)
-    metadata = tf.compat.v1.SummaryMetadata(
-        plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="histograms"),
-        summary_description="log2 |unscaled gradient| (binary exponent) counts",
-    )
-    tf.summary.write(tag, tf.constant(buckets), metadata=metadata)
+class _NoEvents:
+    """The event writer where TensorBoard's needs TensorFlow."""
+
+    def write(self, step, scalars, histograms):
+        pass
+
+    def flush(self):
+        pass

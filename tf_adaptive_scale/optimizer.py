@@ -7,14 +7,14 @@ import warnings
 import keras
 from keras import ops
 
+from tf_adaptive_scale import backends
+from tf_adaptive_scale import branching
 from tf_adaptive_scale import clipping
-from tf_adaptive_scale import distribution
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
-from tf_adaptive_scale import tensorflow_graph
 from tf_adaptive_scale import validation
 from tf_adaptive_scale.monitor import layer_of
 
@@ -98,7 +98,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             computes: `"per_layer"` for an instrumented model, `"adaptive"`
             where any gradient comes from a float16 computation (or, eagerly,
             where the global dtype policy computes in float16), `"none"`
-            otherwise (bfloat16, float32). The resolved mode is saved.
+            otherwise (bfloat16, float32). On JAX it is resolved at `build`
+            (from the variables and the global dtype policy). The resolved
+            mode is saved.
         initial_scale: Power of two, the scale before the first update
             (unused per layer: `tas.instrument` sets the layers' first scale).
         dynamic_growth_steps: Clean steps before a `"dynamic"` scale doubles.
@@ -346,7 +348,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
         if scaling in ("none", "per_layer"):
             # Outside any trace: the scale is 1 from the next step on.
-            tensorflow_graph.assign_now(self.dynamic_scale, 1.0)
+            backends.assign_now(self.dynamic_scale, 1.0)
 
     def build(self, var_list):
         """Creates the optimizer's state for `var_list`.
@@ -367,15 +369,16 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                     "optimizer for another set of variables."
                 )
             return
-        # int64 as in the stock optimizer, whose checkpoints restore into this one.
-        self.step_counter = self._state("step_counter", 0, dtype="int64")
+        # int64 on TensorFlow as in the stock optimizer, whose checkpoints
+        # restore into this one.
+        self.step_counter = self._state("step_counter", 0, dtype=backends.COUNTER_DTYPE)
         self.overflow_streak = self._state("overflow_streak", 0, dtype="int32")
         self.scale_ceiling = self._state("scale_ceiling", NO_CAP)
         self.steps_to_measure = self._state("steps_to_measure", 0, dtype="int32")
         self.calibrated = self._state("calibrated", False, dtype="bool")
-        self.total_steps = self._state("total_steps", 0, dtype="int64")
-        self.skipped_steps = self._state("skipped_steps", 0, dtype="int64")
-        self.consecutive_skips = self._state("consecutive_skips", 0, dtype="int64")
+        self.total_steps = self._state("total_steps", 0, dtype=backends.COUNTER_DTYPE)
+        self.skipped_steps = self._state("skipped_steps", 0, dtype=backends.COUNTER_DTYPE)
+        self.consecutive_skips = self._state("consecutive_skips", 0, dtype=backends.COUNTER_DTYPE)
         self.last_loss_finite = self._state("last_loss_finite", True, dtype="bool")
         # 1 where the last skipped step's gradient of a variable was not finite.
         self.non_finite_gradients = self._state(
@@ -399,9 +402,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.variable_gradient_histograms = self._state(
             "variable_gradient_histograms", 0.0, shape=(len(var_list), stats.NUM_BINS)
         )
-        self.measurements = self._state("measurements", 0, dtype="int64")
-        self.measured_step = self._state("measured_step", -1, dtype="int64")
-        self.clipped_steps = self._state("clipped_steps", 0, dtype="int64")
+        self.measurements = self._state("measurements", 0, dtype=backends.COUNTER_DTYPE)
+        self.measured_step = self._state("measured_step", -1, dtype=backends.COUNTER_DTYPE)
+        self.clipped_steps = self._state("clipped_steps", 0, dtype=backends.COUNTER_DTYPE)
         if self.autoclip_percentile is not None:
             rows = (len(var_list),) if self.autoclip_per_variable else ()
             self.norm_history = self._state(
@@ -416,10 +419,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(
-            [v for v in var_list if not hasattr(v, "scale_table")]
+            [v for v in var_list if _trained(v)]
         )
         # Skip LossScaleOptimizer.build: its state is created above.
         keras.optimizers.Optimizer.build(self, var_list)
+        if self.scaling is None and not backends.TENSORFLOW:
+            # Decided now, eagerly: a JAX trace has no graph to read, and
+            # `scale_loss` must use the mode's scale from the first step on.
+            tables = [v for v in var_list if hasattr(v, "scale_table")]
+            self._resolve(self._default_scaling([], tables))
 
     @property
     def loss_scale(self):
@@ -440,7 +448,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             The scaled loss.
         """
         self.observe_loss(loss)
-        scaled = ops.cast(loss, "float32") * self.dynamic_scale
+        scaled = ops.cast(loss, "float32") * self.dynamic_scale.value
         return ops.cast(scaled, loss.dtype)
 
     def observe_loss(self, loss):
@@ -478,8 +486,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "get_unscaled_gradients() knows no per-layer scales: with "
                 "scaling='per_layer', pass the gradients to apply() as they are."
             )
-        reciprocal = stats.pow2(-ops.log2(self.dynamic_scale))
-        return tensorflow_graph.mark_unscaled(
+        reciprocal = stats.pow2(-ops.log2(self.dynamic_scale.value))
+        return backends.mark_unscaled(
             [None if g is None else _times(g, reciprocal) for g in grads]
         )
 
@@ -495,7 +503,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         pairs = [
             (ops.convert_to_tensor(g), v)  # densifies IndexedSlices
             for g, v in zip(grads, trainable_variables)
-            if g is not None
+            if g is not None and not hasattr(v, "scale_state")
         ]
         if not pairs:
             return
@@ -507,7 +515,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if self.scaling is None:
             self._resolve(self._default_scaling(grads, tables))
         unscaled = self._already_unscaled(grads)
-        distribution.run_step(
+        backends.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
             self.inner_optimizer,
             grads,
@@ -525,7 +533,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         replica's gradients, before they are summed."""
         grads = [grads[i] for i in self._regular(variables)]
         log2_scale = 0.0 if already_unscaled else ops.round(
-            ops.log2(self.dynamic_scale)
+            ops.log2(self.dynamic_scale.value)
         )
 
         def measure():
@@ -533,7 +541,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
 
         packed = ops.cond(
-            ops.equal(self.steps_to_measure, 0),
+            ops.equal(self.steps_to_measure.value, 0),
             measure,
             lambda: ops.zeros((stats.NUM_BINS + 2,), "float32"),
         )
@@ -545,7 +553,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         they cannot tell (eagerly), from the global dtype policy."""
         if tables:
             return "per_layer"
-        if tensorflow_graph.computes_in_float16(grads):
+        if backends.computes_in_float16(grads):
             return "adaptive"
         if keras.config.dtype_policy().compute_dtype == "float16":
             return "adaptive"
@@ -553,7 +561,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _already_unscaled(self, grads):
         """Whether `grads` came from `get_unscaled_gradients` (all or none)."""
-        marks = tensorflow_graph.unscaled_marks(grads)
+        marks = backends.unscaled_marks(grads)
         if any(marks) and not all(marks):
             raise ValueError(
                 "Some gradients passed to apply() come from "
@@ -636,12 +644,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _scale_state(self):
         return scale_policy.ScaleState(
-            log2_scale=ops.round(ops.log2(self.dynamic_scale)),
-            log2_ceiling=ops.round(ops.log2(self.scale_ceiling)),
-            growth_count=ops.convert_to_tensor(self.step_counter),
-            overflow_streak=ops.convert_to_tensor(self.overflow_streak),
-            steps_to_measure=ops.convert_to_tensor(self.steps_to_measure),
-            calibrated=ops.convert_to_tensor(self.calibrated),
+            log2_scale=ops.round(ops.log2(self.dynamic_scale.value)),
+            log2_ceiling=ops.round(ops.log2(self.scale_ceiling.value)),
+            growth_count=self.step_counter.value,
+            overflow_streak=self.overflow_streak.value,
+            steps_to_measure=self.steps_to_measure.value,
+            calibrated=self.calibrated.value,
         )
 
     def _step(self, grads, variables, apply_fn, already_unscaled, tables):
@@ -708,7 +716,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
             self._window.reset()
 
-        ops.cond(last, decide, lambda: None)
+        branching.cond(last, decide, lambda: None)
 
     def _log2_divisors(self, state, steps, regular):
         """Every gradient is divided by the scale `scale_loss` applied and, in
@@ -727,7 +735,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """Checks, applies or skips, measures and updates the scales once."""
         regular = self._regular(variables)
         state = self._scale_state()
-        loss_finite = ops.equal(self.non_finite_losses, 0.0)
+        loss_finite = ops.equal(self.non_finite_losses.value, 0.0)
         scheduled = ops.equal(state.steps_to_measure, 0)
         steps = [
             self._table_step(table, statistics, variables, regular)
@@ -774,18 +782,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # optimizer (a scatter or a nested measurement in a branch keeps the
         # conditional around the whole update: no faster on CPU, measured,
         # and on GPU XLA waits on the host for every conditional's branch).
-        ops.cond(finite, on_finite, on_non_finite)
+        branching.select(finite, on_finite, on_non_finite)
         self.non_finite_gradients.assign(
             ops.where(
                 finite,
-                self.non_finite_gradients,
+                self.non_finite_gradients.value,
                 ops.scatter_update(
-                    ops.zeros_like(self.non_finite_gradients), rows,
+                    ops.zeros(self.non_finite_gradients.shape), rows,
                     ops.cast(ops.logical_not(finite_each), "float32"),
                 ),
             )
         )
-        ops.cond(
+        branching.cond(
             measure,
             lambda: self._measure(regular_grads, rows, *replica_measurement),
             lambda: None,
@@ -820,7 +828,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.last_step_finite.assign(finite)
         self.last_loss_finite.assign(loss_finite)
         self.consecutive_skips.assign(
-            ops.where(finite, 0, self.consecutive_skips + 1)
+            ops.where(finite, 0, self.consecutive_skips.value + 1)
         )
 
     def _write_state(self, state, measured):
@@ -835,11 +843,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.where(
                 measured,
                 stats.underflow_fraction(
-                    self._criterion_weights(self.gradient_histogram),
+                    self._criterion_weights(self.gradient_histogram.value),
                     state.log2_scale,
-                    zeros=self.gradient_zeros,
+                    zeros=self.gradient_zeros.value,
                 ),
-                self.underflow_fraction,
+                self.underflow_fraction.value,
             )
         )
 
@@ -887,10 +895,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             zeros, max_abs = ops.unstack(replica_measurement[stats.NUM_BINS :])
         norms = ops.sqrt(each.squares)
         self.variable_gradient_histograms.assign(
-            ops.scatter_update(self.variable_gradient_histograms, rows, histograms)
+            ops.scatter_update(self.variable_gradient_histograms.value, rows, histograms)
         )
         self.variable_gradient_norms.assign(
-            ops.scatter_update(self.variable_gradient_norms, rows, norms)
+            ops.scatter_update(self.variable_gradient_norms.value, rows, norms)
         )
         self.gradient_histogram.assign(histogram)
         self.gradient_zeros.assign(zeros)
@@ -904,17 +912,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         )
         self.measurements.assign_add(1)
-        self.measured_step.assign(self.total_steps)
+        self.measured_step.assign(self.total_steps.value)
 
     def _proposal(self):
         """The adaptive rule's exponent from the last measurement."""
         log2_scale, _, _ = stats.adaptive_log2_scale(
-            self._criterion_weights(self.gradient_histogram),
-            self.gradient_max,
+            self._criterion_weights(self.gradient_histogram.value),
+            self.gradient_max.value,
             self.underflow_rate,
             math.log2(self.headroom),
         )
-        return log2_scale, ops.sum(self.gradient_histogram) > 0
+        return log2_scale, ops.sum(self.gradient_histogram.value) > 0
 
     def _criterion_weights(self, histogram):
         if self.underflow_criterion == "mass":
@@ -953,20 +961,20 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 c()
             if acted:
                 self.clipped_steps.assign_add(
-                    ops.cast(ops.any(ops.stack(acted)), "int64")
+                    ops.cast(ops.any(ops.stack(acted)), backends.COUNTER_DTYPE)
                 )
 
         return grads, commit
 
     def _autoclip(self, grads, variables):
-        count = self.norm_history_count
+        count = self.norm_history_count.value
         if self.autoclip_per_variable:
             rows = [self._get_variable_index(v) for v in variables]
             norms = ops.stack([clipping.global_norm([g]) for g in grads])
-            history = ops.take(self.norm_history, rows, axis=0)
+            history = ops.take(self.norm_history.value, rows, axis=0)
         else:
             norms = clipping.global_norm(grads)
-            history = self.norm_history
+            history = self.norm_history.value
         history = clipping.push_history(history, count, norms)
         threshold = clipping.history_percentile(
             history, count + 1, self.autoclip_percentile
@@ -974,7 +982,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if self.autoclip_per_variable:
             grads, acted = clipping.clip_by_norm(grads, threshold)
             history = ops.scatter_update(
-                self.norm_history, [[r] for r in rows], history
+                self.norm_history.value, [[r] for r in rows], history
             )
         else:
             grads, acted = clipping.clip_by_global_norm(grads, threshold)
@@ -994,7 +1002,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 never saw it.
         """
         self.inner_optimizer.finalize_variable_values(
-            [v for v in var_list if not hasattr(v, "scale_table")]
+            [v for v in var_list if _trained(v)]
         )
 
     def load_own_variables(self, store):
@@ -1015,7 +1023,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 )
             )
             stock.build([v for v in self._trainable_variables
-                         if not hasattr(v, "scale_table")])
+                         if _trained(v)])
         if stock is None or len(store.keys()) != len(stock.variables):
             return super().load_own_variables(store)
         outer = len(stock.variables) - len(stock.inner_optimizer.variables)
@@ -1039,8 +1047,27 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError(
-            "AdaptiveLossScaleOptimizer supports the TensorFlow backend only."
+        """`apply` on values instead of variables (JAX: `model.fit` and
+        custom loops over `model.stateless_call`).
+
+        Args:
+            optimizer_variables: Values of `optimizer.variables`.
+            grads: Gradients of the scaled loss, one per trainable variable.
+            trainable_variables: Values of the variables it was built for.
+
+        Returns:
+            The new values of the trainable variables and of
+            `optimizer.variables`.
+        """
+        if backends.TENSORFLOW:
+            raise NotImplementedError(
+                "On TensorFlow, use apply(): its conditionals assign the "
+                "optimizer's variables in place."
+            )
+        # The generic stateless step (Keras's LossScaleOptimizer replaces it
+        # with its own decision): `apply` in a StatelessScope.
+        return keras.optimizers.Optimizer.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables
         )
 
     @classmethod
@@ -1089,3 +1116,9 @@ def _unscale(grads, log2_divisors):
 def _times(g, factor):
     """`g * factor` computed in float32, returned in `g`'s dtype."""
     return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
+
+
+def _trained(variable):
+    """Whether the inner optimizer trains `variable` (not an instrumented
+    model's statistics or scales)."""
+    return not (hasattr(variable, "scale_table") or hasattr(variable, "scale_state"))

@@ -1,0 +1,73 @@
+"""What the optimizer needs that differs between Keras backends.
+
+On TensorFlow: `tf.distribute` (`distribution`) and what can be read off a
+traced graph (`tensorflow_graph`). On JAX neither exists and TensorFlow is
+never imported: a step is one SPMD program (under `keras.distribution` XLA
+sums the gradients over devices, so every decision taken on them is the
+same on all devices), and a model's float16 computation is known from the
+dtype policy only.
+"""
+
+import keras
+
+TENSORFLOW = keras.backend.backend() == "tensorflow"
+if keras.backend.backend() not in ("tensorflow", "jax"):
+    raise ImportError(
+        "tf_adaptive_scale runs on the TensorFlow and JAX Keras backends; "
+        f"the backend is {keras.backend.backend()!r} (set KERAS_BACKEND)."
+    )
+
+if TENSORFLOW:
+    import tensorflow as tf
+
+    # Step counters, int64 as in the stock optimizer.
+    COUNTER_DTYPE = "int64"
+
+    from tf_adaptive_scale.distribution import run_step
+    from tf_adaptive_scale.tensorflow_graph import assign_now
+    from tf_adaptive_scale.tensorflow_graph import computes_in_float16
+    from tf_adaptive_scale.tensorflow_graph import mark_unscaled
+    from tf_adaptive_scale.tensorflow_graph import unscaled_marks
+
+    def has_strategy():
+        """Whether a `tf.distribute` strategy is in scope."""
+        return tf.distribute.has_strategy()
+
+else:
+    import jax
+
+    # int64 only where JAX has it enabled (it would be truncated, warning).
+    COUNTER_DTYPE = "int64" if jax.config.jax_enable_x64 else "int32"
+
+    def run_step(
+        step_fn, inner_optimizer, grads, variables, statistics=(),
+        replica_statistics=None,
+    ):
+        """One optimizer step: `distribution.run_step` without replicas."""
+        step_fn(
+            grads + [t for t, _ in statistics],
+            lambda applied, _: inner_optimizer.apply(applied, variables),
+        )
+
+    def assign_now(variable, value):
+        """Sets `variable` to `value` (outside a trace: decided at `build`)."""
+        variable.assign(value)
+
+    def computes_in_float16(grads):
+        """Whether any gradient is float16 (JAX traces keep no graph to read)."""
+        return any(keras.backend.standardize_dtype(g.dtype) == "float16" for g in grads)
+
+    def mark_unscaled(tensors):
+        raise ValueError(
+            "get_unscaled_gradients() is a legacy tf-keras API, TensorFlow "
+            f"only (backend: {keras.backend.backend()!r}): pass the gradients "
+            "of the scaled loss to apply() or stateless_apply() as they are."
+        )
+
+    def unscaled_marks(tensors):
+        """No gradient is marked off TensorFlow (`mark_unscaled` refuses)."""
+        return [False] * len(tensors)
+
+    def has_strategy():
+        """No `tf.distribute` off TensorFlow."""
+        return False

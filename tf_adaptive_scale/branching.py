@@ -1,0 +1,122 @@
+"""Conditionals whose branches assign Keras variables, on any backend.
+
+TensorFlow orders a branch's variable assignments itself: `ops.cond` serves.
+JAX's branches must be pure. Keras's JAX trainer runs the optimizer in a
+`keras.StatelessScope` (`stateless_apply`), where assigning a variable
+records its new value in the scope. Here each branch runs in a scope of its
+own, seeded with the enclosing scope's values; the values the branches
+assigned come out of the conditional and are recorded in the enclosing
+scope.
+"""
+
+import keras
+from keras import ops
+
+
+def cond(pred, true_fn, false_fn):
+    """Runs `true_fn()` where `pred` holds, else `false_fn()`.
+
+    For branches that assign variables; their return values are dropped.
+    Only the branch taken is computed (JAX traces both twice: once to learn
+    which variables they assign).
+
+    Args:
+        pred: A scalar bool tensor.
+        true_fn: A function of no arguments.
+        false_fn: A function of no arguments.
+    """
+    if keras.backend.backend() != "jax":
+        ops.cond(pred, true_fn, false_fn)
+        return
+    if _concrete(pred):
+        (true_fn if bool(pred) else false_fn)()
+        return
+    import jax
+
+    variables = _union(_run(true_fn).assigned, _run(false_fn).assigned)
+    values = jax.lax.cond(
+        pred,
+        lambda: _values_after(true_fn, variables),
+        lambda: _values_after(false_fn, variables),
+    )
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def select(pred, true_fn, false_fn):
+    """Like `cond`, for cheap elementwise branches: on JAX both run and every
+    variable either assigns takes its value from the one `pred` picks.
+
+    On TensorFlow this is `ops.cond`, which XLA turns into the same selects
+    when both branches are elementwise.
+
+    Args:
+        pred: A scalar bool tensor.
+        true_fn: A function of no arguments.
+        false_fn: A function of no arguments.
+    """
+    if keras.backend.backend() != "jax":
+        ops.cond(pred, true_fn, false_fn)
+        return
+    if _concrete(pred):
+        (true_fn if bool(pred) else false_fn)()
+        return
+    taken, other = _run(true_fn), _run(false_fn)
+    variables = _union(taken.assigned, other.assigned)
+    for variable in variables:
+        variable.assign(ops.where(pred, taken.value(variable), other.value(variable)))
+
+
+def _concrete(pred):
+    """Whether `pred` has a value now (eager JAX, outside any trace)."""
+    import jax
+
+    return not isinstance(pred, jax.core.Tracer)
+
+
+def _union(first, second):
+    variables = dict(first)
+    variables.update(second)
+    return list(variables.values())
+
+
+def _values_after(fn, variables):
+    branch = _run(fn)
+    return [branch.value(v) for v in variables]
+
+
+def _run(fn):
+    with _BranchScope() as scope:
+        fn()
+    return scope
+
+
+class _BranchScope(keras.StatelessScope):
+    """A stateless scope that starts from the enclosing one's values and
+    remembers which variables were assigned in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.enclosing = _enclosing_scope()
+        if self.enclosing is not None:
+            self.state_mapping = dict(self.enclosing.state_mapping)
+        self.assigned = {}
+
+    def add_update(self, update):
+        super().add_update(update)
+        self.assigned[id(update[0])] = update[0]
+
+    def value(self, variable):
+        """The variable's value at the end of the branch."""
+        value = self.get_current_value(variable)
+        if value is None:  # never assigned nor mapped: its stored value
+            value = variable.value
+        return value
+
+
+def _enclosing_scope():
+    # Keras has no public accessor for the active StatelessScope (only
+    # `keras.StatelessScope` itself); the branch must start from its values.
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
