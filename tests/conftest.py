@@ -5,20 +5,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-# The suite runs twice (README): on TensorFlow, everything; with
-# KERAS_BACKEND=jax, the backend-neutral core below, the rest being
-# TensorFlow-specific (tf.function, tf.distribute, TensorBoard, GradientTape).
-BACKEND_NEUTRAL = {
-    "test_arguments.py",
-    "test_backends.py",
-    "test_properties.py",
-    "test_scale_policy.py",
-    "test_scaling.py",
-}
-if keras.backend.backend() != "tensorflow":
-    collect_ignore_glob = [
-        name for name in os.listdir(os.path.dirname(__file__))
-        if name.startswith("test_") and name.endswith(".py") and name not in BACKEND_NEUTRAL
+# The suite runs twice (README): on TensorFlow, everything but test_jax.py;
+# with KERAS_BACKEND=jax, the backend-neutral core and test_jax.py, the rest
+# being TensorFlow-specific (tf.function, tf.distribute, TensorBoard,
+# GradientTape) with test_jax.py as their JAX counterpart.
+ON_JAX = {"test_jax.py", "test_scale_policy.py", "test_scaling.py"}
+_here = os.path.dirname(__file__)
+if keras.backend.backend() == "tensorflow":
+    collect_ignore = ["test_jax.py"]
+else:
+    collect_ignore = [
+        name for name in os.listdir(_here)
+        if name.startswith("test_") and name.endswith(".py") and name not in ON_JAX
     ]
 
 
