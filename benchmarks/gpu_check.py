@@ -36,6 +36,8 @@ STEPS = 20
 
 
 def unet(height, width):
+    # Not step_cost.py's: that module needs TensorFlow (timing.py), which the
+    # GPU machine lacks; and this one's head is a per-pixel map.
     x = keras.Input((height, width, 3))
     skips, h = [], x
     for channels in (8, 16):

@@ -25,11 +25,7 @@ def cond(pred, true_fn, false_fn):
         true_fn: A function of no arguments.
         false_fn: A function of no arguments.
     """
-    if keras.backend.backend() != "jax":
-        ops.cond(pred, true_fn, false_fn)
-        return
-    if _concrete(pred):
-        (true_fn if bool(pred) else false_fn)()
+    if _ran_directly(pred, true_fn, false_fn):
         return
     import jax
 
@@ -44,27 +40,30 @@ def cond(pred, true_fn, false_fn):
 
 
 def select(pred, true_fn, false_fn):
-    """Like `cond`, for cheap elementwise branches: on JAX both run and every
+    """`cond` for cheap elementwise branches: on JAX both run and every
     variable either assigns takes its value from the one `pred` picks.
 
     On TensorFlow this is `ops.cond`, which XLA turns into the same selects
-    when both branches are elementwise.
-
-    Args:
-        pred: A scalar bool tensor.
-        true_fn: A function of no arguments.
-        false_fn: A function of no arguments.
+    when both branches are elementwise. Arguments as `cond`'s.
     """
-    if keras.backend.backend() != "jax":
-        ops.cond(pred, true_fn, false_fn)
-        return
-    if _concrete(pred):
-        (true_fn if bool(pred) else false_fn)()
+    if _ran_directly(pred, true_fn, false_fn):
         return
     taken, other = _run(true_fn), _run(false_fn)
     variables = _union(taken.assigned, other.assigned)
     for variable in variables:
         variable.assign(ops.where(pred, taken.value(variable), other.value(variable)))
+
+
+def _ran_directly(pred, true_fn, false_fn):
+    """Runs the conditional where no state needs threading through it:
+    TensorFlow's `ops.cond`, or eager JAX's branch `pred` picks."""
+    if keras.backend.backend() != "jax":
+        ops.cond(pred, true_fn, false_fn)
+        return True
+    if _concrete(pred):
+        (true_fn if bool(pred) else false_fn)()
+        return True
+    return False
 
 
 def _concrete(pred):
