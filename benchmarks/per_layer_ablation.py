@@ -12,11 +12,15 @@ timed interleaved (`timing.py`), as ratios to the stock optimizer:
   seeing nothing do not ask to be measured every step);
 - `boundaries_only`: the same, with edges that pass the gradient unchanged;
 - `stock_on_boundaries`: the stock optimizer on the instrumented graph whose
-  edges only convert (the boundaries' cost without the per-layer optimizer).
+  edges only convert (the boundaries' cost without the per-layer optimizer);
+- `adaptive_no_measure`: the global adaptive optimizer with its measuring
+  conditional emptied (statistics never taken): its bookkeeping alone;
+- `none_mode`: `scaling="none"`, the same bookkeeping without scaling.
 
-The edge variants replace `gradient_scale._convert` while their model's
-step is traced (benchmark-only surgery: training with them is meaningless);
-no step is retraced afterwards.
+The edge variants replace `gradient_scale._convert`, `adaptive_no_measure`
+the optimizer's `_measure`, while their model's step is traced
+(benchmark-only surgery: training with them is meaningless); no step is
+retraced afterwards.
 
 Run: PYTHONPATH=. python benchmarks/per_layer_ablation.py [--families cnn,unet]
      [--steps 150] [--no-xla]
@@ -53,13 +57,18 @@ def _pass_through(dy, control, statistics_shape, producer, consumer, input_dtype
 
 
 @contextlib.contextmanager
-def _edges(convert):
-    original = gradient_scale._convert
-    gradient_scale._convert = convert or original
+def _replaced(owner, name, replacement):
+    """`owner.name` is `replacement` inside (unchanged where it is None)."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement or original)
     try:
         yield
     finally:
-        gradient_scale._convert = original
+        setattr(owner, name, original)
+
+
+def _no_measurement(self, *args):
+    """The measuring conditional's branch, emptied."""
 
 
 _stock = step_cost.VARIANTS["stock"][1]
@@ -74,15 +83,22 @@ def _per_layer_blind():
     )
 
 
-# name: (instrumented, edge function, optimizer)
+def _adaptive():
+    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
+
+
+# name: (instrumented, edge function, optimizer, replacement of `_measure`)
 VARIANTS = {
-    "stock": (False, None, _stock),
-    "stock_again": (False, None, _stock),
-    "adaptive": (False, None, lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())),
-    "per_layer": (True, None, _per_layer),
-    "no_statistics": (True, _convert_only, _per_layer_blind),
-    "boundaries_only": (True, _pass_through, _per_layer_blind),
-    "stock_on_boundaries": (True, _convert_only, _stock),
+    "stock": (False, None, _stock, None),
+    "stock_again": (False, None, _stock, None),
+    "adaptive": (False, None, _adaptive, None),
+    "per_layer": (True, None, _per_layer, None),
+    "no_statistics": (True, _convert_only, _per_layer_blind, None),
+    "boundaries_only": (True, _pass_through, _per_layer_blind, None),
+    "stock_on_boundaries": (True, _convert_only, _stock, None),
+    "adaptive_no_measure": (False, None, _adaptive, _no_measurement),
+    "none_mode": (False, None, lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="none"), None),
 }
 
 
@@ -93,7 +109,7 @@ def measure_family(family, jit_compile, steps, seed=0):
     weights = reference.get_weights()
     batch = step_cost.batch_for(reference, shape, seed)
     models, traces = {}, {}
-    for name, (instrumented, convert, make_optimizer) in VARIANTS.items():
+    for name, (instrumented, convert, make_optimizer, measure) in VARIANTS.items():
         keras.utils.set_random_seed(seed)
         model, _ = step_cost.FAMILIES[family]()
         model.set_weights(weights)
@@ -102,7 +118,9 @@ def measure_family(family, jit_compile, steps, seed=0):
             if make_optimizer is _stock:  # a plain model over the same graph
                 model = keras.Model(model.inputs, model.outputs)
         timing.compile_counted(model, make_optimizer(), jit_compile, traces, name)
-        with _edges(convert):
+        with _replaced(gradient_scale, "_convert", convert), _replaced(
+            tas.AdaptiveLossScaleOptimizer, "_measure", measure
+        ):
             for _ in range(3):
                 model.train_on_batch(*batch)
         models[name] = model
