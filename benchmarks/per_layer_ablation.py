@@ -72,6 +72,7 @@ def _no_measurement(self, *args):
 
 
 _stock = step_cost.VARIANTS["stock"][1]
+_adaptive = step_cost.VARIANTS["adaptive"][1]
 _per_layer = step_cost.VARIANTS["per_layer_100"][1]
 
 
@@ -81,10 +82,6 @@ def _per_layer_blind():
     return tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(), scaling="per_layer", max_scale=1.0
     )
-
-
-def _adaptive():
-    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
 
 
 # name: (instrumented, edge function, optimizer, replacement of `_measure`)

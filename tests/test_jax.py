@@ -8,13 +8,13 @@ float64 gradients by hand.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
+from child_process import child_env
 
 import tf_adaptive_scale as tas
 
@@ -45,10 +45,11 @@ def twin(model):
 
 
 def run_python(code, **env):
-    """Runs `code` in a fresh interpreter with `env` added; returns stdout."""
+    """Runs `code` in a fresh interpreter of this checkout with `env` added
+    (`KERAS_BACKEND` among them); returns stdout."""
     result = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=300,

@@ -96,9 +96,9 @@ class _BranchScope(keras.StatelessScope):
 
     def __init__(self):
         super().__init__()
-        self.enclosing = _enclosing_scope()
-        if self.enclosing is not None:
-            self.state_mapping = dict(self.enclosing.state_mapping)
+        enclosing = _enclosing_scope()
+        if enclosing is not None:
+            self.state_mapping = dict(enclosing.state_mapping)
         self.assigned = {}
 
     def add_update(self, update):

@@ -147,7 +147,7 @@ class ScaleTable(keras.layers.Layer):
 
     def call(self, anchor):
         control = ops.concatenate(
-            [ops.convert_to_tensor(self.log2_scales), ops.reshape(self.measure.value, (1,))]
+            [self.log2_scales.value, ops.reshape(self.measure.value, (1,))]
         )
         # `statistics` passes through the identity so that it has a gradient.
         return ops.stop_gradient(control), ops.convert_to_tensor(
@@ -173,6 +173,12 @@ class ScaleTable(keras.layers.Layer):
             initial_scale=self.initial_scale,
         )
         return config
+
+
+def written_by_optimizer(variable):
+    """Whether `variable` belongs to a `ScaleTable` (its statistics or scale
+    state): the optimizer writes it and never trains it."""
+    return hasattr(variable, "scale_table") or hasattr(variable, "scale_state")
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")

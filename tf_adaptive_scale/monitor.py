@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from tf_adaptive_scale import backends
+from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -220,7 +221,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         float16 = opt.scaling != "none"
         layers = {}
         for i, v in enumerate(variables):
-            if hasattr(v, "scale_table") or hasattr(v, "scale_state"):
+            if gradient_scale.written_by_optimizer(v):
                 continue  # an instrumented model's statistics and scales
             layer = layers.setdefault(
                 layer_of(v),

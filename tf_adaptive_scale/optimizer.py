@@ -419,7 +419,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(
-            [v for v in var_list if _trained(v)]
+            [v for v in var_list if not gradient_scale.written_by_optimizer(v)]
         )
         # Skip LossScaleOptimizer.build: its state is created above.
         keras.optimizers.Optimizer.build(self, var_list)
@@ -1002,7 +1002,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 never saw it.
         """
         self.inner_optimizer.finalize_variable_values(
-            [v for v in var_list if _trained(v)]
+            [v for v in var_list if not gradient_scale.written_by_optimizer(v)]
         )
 
     def load_own_variables(self, store):
@@ -1023,7 +1023,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 )
             )
             stock.build([v for v in self._trainable_variables
-                         if _trained(v)])
+                         if not gradient_scale.written_by_optimizer(v)])
         if stock is None or len(store.keys()) != len(stock.variables):
             return super().load_own_variables(store)
         outer = len(stock.variables) - len(stock.inner_optimizer.variables)
@@ -1116,9 +1116,3 @@ def _unscale(grads, log2_divisors):
 def _times(g, factor):
     """`g * factor` computed in float32, returned in `g`'s dtype."""
     return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
-
-
-def _trained(variable):
-    """Whether the inner optimizer trains `variable` (not an instrumented
-    model's statistics or scales)."""
-    return not (hasattr(variable, "scale_table") or hasattr(variable, "scale_state"))
