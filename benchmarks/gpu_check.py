@@ -82,7 +82,7 @@ def kernel_gradients(model, x, y, log2_scale=0.0, unit_scales=None):
             continue
         log2 = log2_scale
         if unit_scales is not None:
-            log2 = unit_scales[v.gradient_scale_unit]
+            log2 = unit_scales[model.scale_table.unit_of(v)]
         result.append(np.asarray(g, np.float64) / 2.0**log2)
     return result
 

@@ -589,7 +589,7 @@ def run_workload(name, size, args):
     _, grads = fn_inst(x, y, tf.constant(1.0))
     grads = to_numpy(grads)
     by_id = {id(v): g for v, g in zip(inst_vars, grads)}
-    pl_log2 = [float(log2[w.gradient_scale_unit]) for w, _ in pairs]
+    pl_log2 = [float(log2[instrumented.scale_table.unit_of(w)]) for w, _ in pairs]
     pl_err = [
         rel_error(by_id[id(w)] / np.float32(2.0**e), r)
         for (w, _), e, r in zip(pairs, pl_log2, ref_grads)
@@ -730,7 +730,7 @@ def train_curves(name, args):
             if table is not None:
                 log2 = table.log2_scales.numpy()
                 unit_log2.append(
-                    [float(log2[w.gradient_scale_unit]) for w, _ in pairs]
+                    [float(log2[table.unit_of(w)]) for w, _ in pairs]
                 )
         held = float(loss_fn(held_y, model(held_x, training=False)))
         curves[variant] = {

@@ -437,7 +437,7 @@ def per_layer_fit_fp16():
             table = instrumented.scale_table
             weight_variables = [
                 v for v in instrumented.trainable_variables
-                if hasattr(v, "gradient_scale_unit")
+                if table.unit_of(v) is not None
             ]
             runs[name] = {
                 "unit_names": table.unit_names,
@@ -524,7 +524,7 @@ def per_layer_fixed_scales_fp32():
 
     weight_variables = [
         v for v in instrumented.trainable_variables
-        if hasattr(v, "gradient_scale_unit")
+        if table.unit_of(v) is not None
     ]
     return {
         "unit_names": table.unit_names,
@@ -592,7 +592,7 @@ def _per_layer_overflow():
     table.log2_scales.assign(start)
     table.measure.assign(1.0)
     variables = instrumented.trainable_variables
-    weight_variables = [v for v in variables if hasattr(v, "gradient_scale_unit")]
+    weight_variables = [v for v in variables if table.unit_of(v) is not None]
 
     @tf.function(jit_compile=False)
     def train_step(xs, ys):
@@ -609,7 +609,7 @@ def _per_layer_overflow():
                 [
                     tf.reduce_all(tf.math.is_finite(g))
                     for g, v in zip(grads, variables)
-                    if hasattr(v, "gradient_scale_unit")
+                    if table.unit_of(v) is not None
                 ]
             )
             opt.apply(grads, variables)

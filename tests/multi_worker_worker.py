@@ -118,7 +118,7 @@ class Trainer:
             self.optimizer.build(self.instrumented.trainable_variables)
         self.table = self.instrumented.scale_table
         variables = self.instrumented.trainable_variables
-        is_weight = [hasattr(v, "gradient_scale_unit") for v in variables]
+        is_weight = [self.table.unit_of(v) is not None for v in variables]
 
         def step(x, y):
             with tf.GradientTape() as tape:

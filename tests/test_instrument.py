@@ -36,9 +36,9 @@ def gradients(model, variables, x, y, scale=1.0):
 def unscaled(instrumented, x, y):
     """The instrumented model's weight gradients divided by their unit scale."""
     log2 = instrumented.scale_table.log2_scales.numpy()
-    weights = [v for v in instrumented.trainable_variables if hasattr(v, "gradient_scale_unit")]
+    weights = [v for v in instrumented.trainable_variables if instrumented.scale_table.unit_of(v) is not None]
     grads = gradients(instrumented, weights, x, y)
-    return {id(v): g / 2.0 ** log2[v.gradient_scale_unit] for v, g in zip(weights, grads)}
+    return {id(v): g / 2.0 ** log2[instrumented.scale_table.unit_of(v)] for v, g in zip(weights, grads)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

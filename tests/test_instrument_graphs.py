@@ -66,10 +66,10 @@ def assert_exact(model, x, y, seed=0):
     log2[0] = 0.0
     table.log2_scales.assign(log2)
     weights = [
-        v for v in instrumented.trainable_variables if hasattr(v, "gradient_scale_unit")
+        v for v in instrumented.trainable_variables if table.unit_of(v) is not None
     ]
     got = {
-        id(v): g / 2.0 ** log2[v.gradient_scale_unit]
+        id(v): g / 2.0 ** log2[table.unit_of(v)]
         for v, g in zip(weights, _gradients(instrumented, weights, x, y))
     }
     assert len(got) == len(model.trainable_variables)
@@ -109,7 +109,7 @@ def test_operator_and_ops_nodes_are_weightless_units(tmp_path):
     loaded = keras.models.load_model(path)
     _assert_forward_equal(model, loaded, _data((4, 6), 2))
     assert loaded.scale_table.unit_names == units
-    tagged = [v for v in loaded.trainable_variables if hasattr(v, "gradient_scale_unit")]
+    tagged = [v for v in loaded.trainable_variables if loaded.scale_table.unit_of(v) is not None]
     assert len(tagged) == len(model.trainable_variables)
 
 
@@ -205,8 +205,8 @@ def test_nested_models_with_clashing_layer_names():
     assert clean.name not in units and clean.layers[0].name in units
     assert units.count(first.name) == 1 and "shared_dense" not in units
     assert instrumented.unit_members[first.name] == [first.name, "shared_dense"]
-    unit_of = {id(v): v.gradient_scale_unit for v in instrumented.trainable_variables
-               if hasattr(v, "gradient_scale_unit")}
+    unit_of = {id(v): instrumented.scale_table.unit_of(v) for v in instrumented.trainable_variables
+               if instrumented.scale_table.unit_of(v) is not None}
     assert unit_of[id(shared.kernel)] == units.index(first.name)
 
 
@@ -219,7 +219,7 @@ def test_clashing_names_survive_save_and_load(tmp_path):
     loaded = keras.models.load_model(path)
     _assert_forward_equal(model, loaded, _data((4, 4)))
     assert loaded.scale_table.unit_names == instrumented.scale_table.unit_names
-    tagged = [v for v in loaded.trainable_variables if hasattr(v, "gradient_scale_unit")]
+    tagged = [v for v in loaded.trainable_variables if loaded.scale_table.unit_of(v) is not None]
     assert len(tagged) == len(model.trainable_variables)
 
 
@@ -236,8 +236,8 @@ def test_unit_of_shared_variables_survives_config():
     units = revived.scale_table.unit_names
     (holder,) = [n for n, members in revived.unit_members.items() if "shared_dense" in members]
     kernel = revived.get_layer("shared_dense").kernel
-    assert kernel.gradient_scale_unit == units.index(holder)
-    assert revived.get_layer(holder).weights[0].gradient_scale_unit == units.index(holder)
+    assert revived.scale_table.unit_of(kernel) == units.index(holder)
+    assert revived.scale_table.unit_of(revived.get_layer(holder).weights[0]) == units.index(holder)
 
 
 def test_nested_model_called_with_training_true_stays_whole():
@@ -309,7 +309,7 @@ def test_application_instruments_and_matches(name):
     model = _application(name)
     instrumented = _instrument(model)
     _assert_forward_equal(model, instrumented, 10.0 * _data((2, 32, 32, 3)))
-    tagged = [v for v in instrumented.trainable_variables if hasattr(v, "gradient_scale_unit")]
+    tagged = [v for v in instrumented.trainable_variables if instrumented.scale_table.unit_of(v) is not None]
     assert len(tagged) == len(model.trainable_variables)
 
 

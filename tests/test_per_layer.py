@@ -422,8 +422,8 @@ def test_save_and_load_restore_every_scale_and_resume(tmp_path):
     assert loaded.layer_scales() == inst.layer_scales()
     for a, b in zip(loaded.scale_table.weights, inst.scale_table.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    assert all(hasattr(v, "gradient_scale_unit") for v in loaded.trainable_variables
-               if not hasattr(v, "scale_table"))
+    assert all(loaded.scale_table.unit_of(v) is not None for v in loaded.trainable_variables
+               if not hasattr(v, "scale_table") and not hasattr(v, "scale_state"))
     for model in (inst, loaded):
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(loaded.get_weights(), inst.get_weights()):
@@ -481,8 +481,8 @@ def test_subclassed_model_with_instrumented_blocks_is_exact():
 
     reference, got = grads(plain), grads(net)
     for v in plain.trainable_variables:
-        table = getattr(v, "gradient_scale_table", None)
-        scale = 1.0 if table is None else 2.0 ** table.log2_scales.numpy()[v.gradient_scale_unit]
+        (table,) = [b.scale_table for b in (net.encoder, net.decoder) if b.scale_table.unit_of(v) is not None] or [None]
+        scale = 1.0 if table is None else 2.0 ** table.log2_scales.numpy()[table.unit_of(v)]
         np.testing.assert_allclose(got[id(v)].numpy() / scale, reference[id(v)].numpy(), rtol=1e-6, atol=1e-7)
 
 

@@ -171,9 +171,9 @@ def evaluate(model, base, opt, data):
     float16 = gradients(model, base.trainable_variables, batch, scale)
     errors, underflows = [], []
     for v, g16, g32 in zip(base.trainable_variables, float16, exact):
-        table = getattr(v, "gradient_scale_table", None)
-        if table is not None:
-            g16 = g16 / 2.0 ** float(table.log2_scales.numpy()[v.gradient_scale_unit])
+        table = getattr(model, "scale_table", None)
+        if table is not None and table.unit_of(v) is not None:
+            g16 = g16 / 2.0 ** float(table.log2_scales.numpy()[table.unit_of(v)])
         if v.path.endswith("kernel"):
             errors.append(np.linalg.norm(g16 - g32) / max(np.linalg.norm(g32), 1e-30))
             underflows.append(np.mean((g16 == 0) & (g32 != 0)))

@@ -111,12 +111,13 @@ class ScaleTable(keras.layers.Layer):
         initial = [0.0] + [math.log2(initial_scale)] * (units - 1)
         # The optimizer writes the scales. On JAX it can only return new
         # values of trainable and optimizer variables (`stateless_apply`):
-        # there they are trainable, tagged `scale_state`, and never trained.
-        state_is_trainable = not backends.TENSORFLOW
+        # they are trainable, tagged `scale_state`, and never trained; on
+        # every backend alike, so that the optimizer's per-variable state
+        # has one shape and a saved model loads on either backend.
         self.log2_scales = self.add_weight(
             shape=(units,),
             initializer=keras.initializers.Constant(initial),
-            trainable=state_is_trainable,
+            trainable=True,
             name="log2_scales",
         )
         # The cap on each unit's scale, lowered where it overflowed; 127
@@ -125,13 +126,13 @@ class ScaleTable(keras.layers.Layer):
         self.log2_ceilings = self.add_weight(
             shape=(units,),
             initializer=keras.initializers.Constant(NO_CAP),
-            trainable=state_is_trainable,
+            trainable=True,
             name="log2_ceilings",
         )
         self.measure = self.add_weight(
             shape=(),
             initializer="ones",
-            trainable=state_is_trainable,
+            trainable=True,
             name="measure",
         )
         for state in (self.log2_scales, self.log2_ceilings, self.measure):
@@ -144,6 +145,49 @@ class ScaleTable(keras.layers.Layer):
         )
         self.statistics.overwrite_with_gradient = True
         self.statistics.scale_table = self
+        self._weight_units = _WeightUnits([])
+
+    def bind(self, weight_units):
+        """Records which unit's scale each weight's gradient carries.
+
+        The map lives here, not on the weights: the same weights can serve
+        several instrumented models (two heads on one backbone, a model
+        instrumented twice), each with its own table and units.
+
+        Args:
+            weight_units: `(variable, unit index)` pairs.
+        """
+        self._weight_units = _WeightUnits(weight_units)
+
+    def unit_of(self, variable):
+        """The index of the unit whose scale `variable`'s gradient carries
+        in this table's model, or None where the model holds no such weight.
+        """
+        return self._weight_units.unit_of(variable)
+
+    def save_own_variables(self, store):
+        # By name, not Keras's trainable-first order: the scale state is
+        # trainable on JAX only, and a file must load on either backend.
+        for i, variable in enumerate(self._state_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        variables = self._state_variables()
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"ScaleTable '{self.name}' holds {len(variables)} variables; "
+                f"the file has {len(store.keys())}."
+            )
+        values = [store[str(i)] for i in range(len(variables))]
+        if np.ndim(values[0]) == 2:
+            # Written before the order was fixed, on TensorFlow (statistics,
+            # the only trainable variable there, first).
+            values = values[1:] + values[:1]
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    def _state_variables(self):
+        return [self.log2_scales, self.log2_ceilings, self.measure, self.statistics]
 
     def call(self, anchor):
         control = ops.concatenate(
@@ -173,6 +217,18 @@ class ScaleTable(keras.layers.Layer):
             initial_scale=self.initial_scale,
         )
         return config
+
+
+class _WeightUnits:
+    """A map from weight to unit, by identity. A plain object, so that Keras
+    does not track the weights it holds as the table's own."""
+
+    def __init__(self, weight_units):
+        self._units = {id(v): (v, int(u)) for v, u in weight_units}
+
+    def unit_of(self, variable):
+        held, unit = self._units.get(id(variable), (None, None))
+        return unit if held is variable else None
 
 
 def written_by_optimizer(variable):
@@ -271,15 +327,18 @@ def _boundary(x, control, statistics, producer, consumer, output_dtype):
 def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     """The converted gradient, and this edge's statistics on measured steps."""
     factor = stats.pow2(control[producer] - control[consumer])
-    dx = ops.cast(ops.cast(dy, "float32") * factor, input_dtype)
+    # A power of two times a float64 gradient is exact only in float64.
+    standard = keras.backend.standardize_dtype
+    dtypes = (standard(dy.dtype), standard(input_dtype))
+    wide = "float64" if "float64" in dtypes else "float32"
+    dx = ops.cast(ops.cast(dy, wide) * ops.cast(factor, wide), input_dtype)
     # Gradients leaving through the model's inputs are not measured: a
     # top-level model never uses them (measuring would compute them for
     # nothing, and an overflow there would skip a step that harms no weight);
     # in a block, the layers they reach have their own checks.
     if producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
-    standard = keras.backend.standardize_dtype
-    rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(
+    rows = _measured_rows(*dtypes)(
         dy, control, producer, consumer
     )
     # Placing the edge's two rows in the table is a constant one-hot product
@@ -366,3 +425,31 @@ def _statistics(dy, control, producer, consumer, input_dtype):
         ]
     )
     return ops.stack([producer_row, consumer_row])
+
+
+def scale_gradient(loss, log2_scale):
+    """`loss` as float32, whose gradient is multiplied by `2**log2_scale`.
+
+    An additional loss (a weight regulariser, `add_loss`) enters its unit's
+    backward pass directly, not through a boundary: this brings its gradient
+    to the unit's scale, which the optimizer divides by, and leaves its value
+    as it is (the reported loss stays the model's).
+
+    Args:
+        loss: A scalar loss tensor.
+        log2_scale: The unit's integer-valued float32 exponent.
+
+    Returns:
+        The float32 loss.
+    """
+
+    @ops.custom_gradient
+    def identity(loss, log2_scale):
+        def backward(*args, upstream=None):
+            if upstream is None:
+                (upstream,) = args
+            return upstream * stats.pow2(log2_scale), ops.zeros_like(log2_scale)
+
+        return ops.copy(loss), backward
+
+    return identity(ops.cast(loss, "float32"), ops.stop_gradient(log2_scale))

@@ -170,11 +170,13 @@ def _bin_counts(values, owner, rows, log2_scale):
     # Zeros and non-finite values are counted in two more bins of the same
     # segment sum, so that they cost no pass (or compiled loop) of their own.
     bins = ops.where(finite, ops.where(counted, bins, _ZERO_BIN), _NON_FINITE_BIN)
+    # Integer counts: a float32 sum of ones stops growing at 2**24, which a
+    # large kernel or activation gradient exceeds.
     counts = ops.segment_sum(
-        ops.ones_like(values), owner * _BINS_WITH_EXTRAS + bins,
+        ops.ones_like(bins), owner * _BINS_WITH_EXTRAS + bins,
         num_segments=rows * _BINS_WITH_EXTRAS,
     )
-    return ops.reshape(counts, (rows, _BINS_WITH_EXTRAS))
+    return ops.reshape(ops.cast(counts, "float32"), (rows, _BINS_WITH_EXTRAS))
 
 
 def _exponent(magnitude):

@@ -3,6 +3,8 @@
 import keras
 
 from tf_adaptive_scale import backends
+from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import keras_internals
 from tf_adaptive_scale import validation
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
@@ -123,7 +125,7 @@ def instrument(model, initial_scale=1.0):
 
     outputs = _run(model, inputs, call)
     outputs = keras.tree.map_structure(
-        lambda t: boundary(t, LOSS_UNIT, output_dtype="float32"), outputs
+        lambda t: boundary(t, LOSS_UNIT, output_dtype=_output_dtype(t)), outputs
     )
     output_names = getattr(model, "output_names", None)
     return InstrumentedModel(
@@ -139,8 +141,10 @@ def instrument(model, initial_scale=1.0):
 class InstrumentedModel(keras.Model):
     """A Functional model with per-layer gradient scales (see `instrument`).
 
-    On construction (also when loaded) it tags every weight with the index of
-    the unit whose scale its gradient carries, for the optimizer to unscale.
+    On construction (also when loaded) its `ScaleTable` records the unit
+    whose scale each weight's gradient carries, for the optimizer to unscale
+    (the weights themselves are left as they are: they may serve other
+    models too).
 
     Args:
         inputs: Model inputs, as for a Functional model.
@@ -184,19 +188,72 @@ class InstrumentedModel(keras.Model):
         self._original_output_names = output_names
         self.unit_members = dict(unit_members or {})
         self.scale_table = tables[0]
+        arguments = _argument_variables(_nodes(self))
+        # Frozen weights too: unfrozen later, their gradients carry the
+        # unit's scale like any other.
+        weight_units = [
+            (variable, unit)
+            for unit, op in self._unit_operations()
+            for variable in _variables_of(op, arguments)
+        ]
+        self.scale_table.bind(weight_units)
+
+    @property
+    def losses(self):
+        """The additional losses (`add_loss`, activity and weight
+        regularisers), each with its gradient at its unit's scale.
+
+        Their values are the original model's; their gradients reach the
+        weights at the scale the optimizer divides those weights' gradients
+        by (`gradient_scale.scale_gradient`). Add them to the loss in a
+        custom loop as for any model (`fit` does).
+        """
+        losses = super().losses
+        if not losses or keras_internals.collected_losses(self):
+            return losses  # none, or collected through here already (JAX)
+        table = self.scale_table
+        log2_scales = table.log2_scales.value
+        owner = {}
+        for unit, op in self._unit_operations():
+            if isinstance(op, keras.layers.Layer):
+                owner.update(dict.fromkeys(keras_internals.own_loss_ids(op), unit))
+        scaled = [
+            gradient_scale.scale_gradient(loss, log2_scales[owner[id(loss)]])
+            for loss in losses
+            if id(loss) in owner
+        ]
+        regularised = [
+            (v, table.unit_of(v))
+            for v in self.trainable_weights
+            if v.regularizer is not None
+        ]
+        if len(losses) - len(scaled) != len(regularised) or any(
+            unit is None for _, unit in regularised
+        ):
+            raise ValueError(
+                f"The instrumented model '{self.name}' has losses that no "
+                "layer of its graph added: their gradients would carry no "
+                "known scale. Add losses inside a layer (add_loss in call, "
+                "or a regulariser)."
+            )
+        return scaled + [
+            gradient_scale.scale_gradient(v.regularizer(v.value), log2_scales[unit])
+            for v, unit in regularised
+        ]
+
+    def _unit_operations(self):
+        """`(unit index, operation)` for every operation of every unit.
+
+        An operation can be absent: one that made the mask argument of an
+        inlined model (whose layers take the mask their inputs carry).
+        """
         operations = {op.name: op for op in self.operations}
         for unit, name in enumerate(self.scale_table.unit_names):
             if unit == LOSS_UNIT:
                 continue
-            # Frozen weights too: unfrozen later, their gradients carry the
-            # unit's scale like any other.
-            # An operation can be absent: one that made the mask argument
-            # of an inlined model (whose layers take the mask their inputs
-            # carry).
             for member in self.unit_members.get(name, [name]):
-                for variable in getattr(operations.get(member), "weights", []):
-                    variable.gradient_scale_table = self.scale_table
-                    variable.gradient_scale_unit = unit
+                if member in operations:
+                    yield unit, operations[member]
 
     def get_config(self):
         config = super().get_config()
@@ -263,6 +320,12 @@ def _is_tensor(x):
 
 def _is_float(x):
     return "float" in keras.backend.standardize_dtype(x.dtype)
+
+
+def _output_dtype(x):
+    """float32, or the output's own dtype where it is wider (float64)."""
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    return dtype if dtype == "float64" else "float32"
 
 
 def _describe(op):
@@ -376,7 +439,10 @@ def _plan(model, input_names):
                 "instrumented model needs unique names. Rename one of them."
             )
         inlined -= collapse
-    return inlined, _group_by_variables(ops)
+    arguments = {}
+    for graph in graphs:
+        arguments.update(_argument_variables(_nodes(graph)))
+    return inlined, _group_by_variables(ops, arguments)
 
 
 def _collect(graph, parent, inlined, ops, parents):
@@ -392,8 +458,27 @@ def _collect(graph, parent, inlined, ops, parents):
             parents[id(op)].append(parent)
 
 
-def _group_by_variables(ops):
-    """Units of operations: those sharing a variable are one unit."""
+def _argument_variables(nodes):
+    """`{id(operation): [variables]}`: the variables passed to operations
+    as arguments (`ops.einsum(h, embedding.embeddings)`, tied weights)."""
+    found = {}
+    for op, node in nodes:
+        arguments = keras.tree.flatten((node.arguments.args, node.arguments.kwargs))
+        variables = [a for a in arguments if isinstance(a, keras.Variable)]
+        if variables:
+            found.setdefault(id(op), []).extend(variables)
+    return found
+
+
+def _variables_of(op, arguments):
+    """The weights `op` holds and the variables it is called on."""
+    return list(getattr(op, "weights", [])) + arguments.get(id(op), [])
+
+
+def _group_by_variables(ops, arguments):
+    """Units of operations: those sharing a variable are one unit (a weight
+    an operation is called on included: its gradient through that call must
+    be summed with the rest at one scale)."""
     root = list(range(len(ops)))
 
     def find(i):
@@ -404,7 +489,7 @@ def _group_by_variables(ops):
 
     owner = {}
     for i, op in enumerate(ops):
-        for variable in getattr(op, "weights", []):
+        for variable in _variables_of(op, arguments):
             j = owner.setdefault(id(variable), i)
             a, b = find(i), find(j)
             if a != b:

@@ -18,7 +18,6 @@ import keras
 import numpy as np
 
 from tf_adaptive_scale import backends
-from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -26,15 +25,6 @@ JSON_LINES_FILE = "scale_monitor.jsonl"
 # float16: values below 2**-24 underflow to zero, from 2**16 they overflow.
 FLOAT16_UNDERFLOW_EXPONENT = stats.FLOAT16_SUBNORMAL_EXPONENT
 FLOAT16_OVERFLOW_EXPONENT = 16
-
-
-def layer_of(variable):
-    """The name of the layer (per-layer unit) a trainable variable belongs to."""
-    table = getattr(variable, "gradient_scale_table", None)
-    if table is not None:
-        return table.unit_names[variable.gradient_scale_unit]
-    path = getattr(variable, "path", variable.name)
-    return path.rsplit("/", 1)[0] if "/" in path else path
 
 
 def float16_fractions(histogram, log2_scale):
@@ -214,24 +204,20 @@ class ScaleMonitor(keras.callbacks.Callback):
             The report, a dict (the JSON line's content).
         """
         opt = self.optimizer
-        variables = opt._trainable_variables
         norms = opt.variable_gradient_norms.numpy()
         histograms = opt.variable_gradient_histograms.numpy()
         global_log2 = math.log2(float(opt.loss_scale.numpy()))
         float16 = opt.scaling != "none"
         layers = {}
-        for i, v in enumerate(variables):
-            if gradient_scale.written_by_optimizer(v):
+        for i, scale in enumerate(opt.gradient_scales()):
+            if scale is None:
                 continue  # an instrumented model's statistics and scales
+            name, log2_scale = scale
             layer = layers.setdefault(
-                layer_of(v),
-                {"sq": 0.0, "histogram": np.zeros(stats.NUM_BINS), "log2_scale": global_log2},
+                name, {"sq": 0.0, "histogram": np.zeros(stats.NUM_BINS), "log2_scale": log2_scale}
             )
             layer["sq"] += float(norms[i]) ** 2
             layer["histogram"] = layer["histogram"] + histograms[i]
-            table = getattr(v, "gradient_scale_table", None)
-            if table is not None:
-                layer["log2_scale"] = float(table.log2_scales.numpy()[v.gradient_scale_unit])
         skipped = int(opt.skipped_steps.numpy())
         clipped = int(opt.clipped_steps.numpy())
         measurements = int(opt.measurements.numpy())

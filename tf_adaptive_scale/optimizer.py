@@ -16,7 +16,6 @@ from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import validation
-from tf_adaptive_scale.monitor import layer_of
 
 SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
 # Default `max_scale`: global scales multiply the loss, which 2**24 keeps
@@ -417,6 +416,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self._window = gradient_window.GradientWindow(
                 self, var_list, self.accumulation_steps
             )
+        self._scale_tables = [v.scale_table for v in var_list if hasattr(v, "scale_table")]
+        for v in var_list:
+            owners = [t for t in self._scale_tables if t.unit_of(v) is not None]
+            if len(owners) > 1:
+                raise ValueError(
+                    f"The weight '{v.path}' belongs to {len(owners)} "
+                    "instrumented models trained in one step by this "
+                    "optimizer; its gradient would sum contributions at "
+                    "different per-layer scales. Instrument the model that "
+                    "holds all of them once instead."
+                )
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(
             [v for v in var_list if not gradient_scale.written_by_optimizer(v)]
@@ -586,7 +596,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "scales): use AdaptiveLossScaleOptimizer(..., "
                 f"scaling='per_layer'), not scaling={self.scaling!r}."
             )
-        self._scale_tables = [v.scale_table for _, v in tables]
         return rest, [(g, v.scale_table) for g, v in tables]
 
     def stalled_layers(self):
@@ -595,11 +604,39 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         last layers, nearest the loss, come last)."""
         flags = self.non_finite_gradients.numpy()
         names = []
-        for flag, variable in zip(flags, self._trainable_variables):
-            name = layer_of(variable)
-            if flag > 0 and name not in names:
-                names.append(name)
+        for flag, scale in zip(flags, self.gradient_scales()):
+            if flag > 0 and scale is not None and scale[0] not in names:
+                names.append(scale[0])
         return names
+
+    def gradient_scales(self):
+        """Where each trained variable's gradient was scaled, and by what.
+
+        Returns:
+            A list in the order of the variables the optimizer was built
+            for: `(layer name, log2 of the scale its gradient carries)` per
+            variable (per layer, its unit's name and scale in the
+            instrumented model whose gradients this optimizer trains), None
+            for an instrumented model's own statistics and scales. Empty
+            before `build`.
+        """
+        if not self.built:
+            return []
+        global_log2 = math.log2(float(self.dynamic_scale.numpy()))
+        scales = []
+        for variable in self._trainable_variables:
+            if gradient_scale.written_by_optimizer(variable):
+                scales.append(None)
+                continue
+            path = getattr(variable, "path", variable.name)
+            entry = (path.rsplit("/", 1)[0], global_log2)
+            for table in self._scale_tables:
+                unit = table.unit_of(variable)
+                if unit is not None:
+                    log2 = float(table.log2_scales.numpy()[unit])
+                    entry = (table.unit_names[unit], global_log2 + log2)
+            scales.append(entry)
+        return scales
 
     def check_progress(self):
         """Raises if training has stopped making progress.
@@ -853,9 +890,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _table_step(self, table, statistics, variables, regular):
         members = [
-            (i, variables[i].gradient_scale_unit)
+            (i, table.unit_of(variables[i]))
             for i in regular
-            if getattr(variables[i], "gradient_scale_table", None) is table
+            if table.unit_of(variables[i]) is not None
         ]
         rule = functools.partial(
             layer_scaling.layer_log2_scales,
@@ -1114,5 +1151,7 @@ def _unscale(grads, log2_divisors):
 
 
 def _times(g, factor):
-    """`g * factor` computed in float32, returned in `g`'s dtype."""
-    return ops.cast(ops.cast(g, "float32") * factor, g.dtype)
+    """`g * factor` computed in float32 (float64 for a float64 `g`: exact
+    there too), returned in `g`'s dtype."""
+    wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"
+    return ops.cast(ops.cast(g, wide) * ops.cast(factor, wide), g.dtype)
