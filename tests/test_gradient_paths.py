@@ -3,7 +3,7 @@
 Each test trains an instrumented float32 model at fixed, unequal per-unit
 scales for one SGD step and compares the update with plain SGD on the same
 weights: any contribution divided by the wrong scale shows as an update
-2**k off.
+2**k off. The `fit`-based ones run on JAX too (test_jax.py imports them).
 """
 
 import math
@@ -14,7 +14,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from keras import layers
 from keras import ops
 
@@ -203,7 +202,7 @@ def test_counts_do_not_saturate_beyond_two_to_the_24():
     def scale(n):
         values = np.full(n, 2.0**-10, "float32")
         values[: n // 1000] = 2.0**-30  # 0.1% far below
-        hist, peak = stats.exponent_histogram([tf.constant(values)])
+        hist, peak = stats.exponent_histogram([ops.convert_to_tensor(values)])
         assert float(ops.sum(hist)) == n
         return float(stats.adaptive_log2_scale(hist, peak, 1e-4, 1.0)[0])
 
@@ -212,6 +211,8 @@ def test_counts_do_not_saturate_beyond_two_to_the_24():
 
 def test_float64_models_are_converted_exactly():
     # Boundaries rounded every float64 gradient to float32.
+    import tensorflow as tf
+
     keras.mixed_precision.set_global_policy("float64")
     keras.utils.set_random_seed(0)
     x = keras.Input((4,))
@@ -245,6 +246,8 @@ def _readme_per_layer_loop():
 def test_readme_per_layer_loop_does_not_back_off_on_nan_batches():
     # The loop called no scale_loss/observe_loss: a NaN batch counted as an
     # overflow and backed every unit off a binade.
+    import tensorflow as tf
+
     model = _head(_backbone(), "m")
     instrumented = tas.instrument(model)
     optimizer = _per_layer()

@@ -15,6 +15,11 @@ import keras
 import numpy as np
 import pytest
 from child_process import child_env
+from test_gradient_paths import test_counts_do_not_saturate_beyond_two_to_the_24  # noqa: F401
+from test_gradient_paths import test_regularisers_and_add_loss_train_exactly_at_every_step  # noqa: F401
+from test_gradient_paths import test_the_model_instrumented_first_of_two_trains_exactly  # noqa: F401
+from test_gradient_paths import test_tied_embeddings_train_exactly  # noqa: F401
+from test_gradient_paths import test_two_instrumented_models_on_one_backbone_each_train_exactly  # noqa: F401
 
 import tf_adaptive_scale as tas
 
