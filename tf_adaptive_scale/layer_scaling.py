@@ -81,6 +81,29 @@ def overflow_origins(statistics, weight_non_finite):
     return ops.where(ops.any(origins), origins, _keep_loss_unit(origins | True, False))
 
 
+def mostly_underflowed(statistics, log2_scales):
+    """The units whose measured values were mostly lost to underflow.
+
+    At scale `2**s` float16 holds unscaled values down to `2**(-24 - s)`;
+    below that they become zeros, which the histogram does not count. Where
+    the lowest binade it holds is the histogram's most populated one, the
+    values were cut off there and most lay below: the statistics show only
+    their top.
+
+    Args:
+        statistics: `(units, NUM_COLUMNS)` statistics of a measured step.
+        log2_scales: `(units,)` the scales the step ran with.
+
+    Returns:
+        `(units,)` bool, False where nothing was seen.
+    """
+    histogram = statistics[:, : stats.NUM_BINS]
+    floor = stats.FLOAT16_SUBNORMAL_EXPONENT - log2_scales - stats.EXPONENT_MIN
+    floor = ops.cast(ops.clip(floor, 0, stats.NUM_BINS - 1), "int32")
+    at_floor = ops.take_along_axis(histogram, floor[:, None], axis=1)[:, 0]
+    return (at_floor > 0) & (at_floor >= ops.max(histogram, axis=-1))
+
+
 def _keep_loss_unit(values, loss_value=0.0):
     is_loss = ops.arange(values.shape[0]) == boundary.LOSS_UNIT
     return ops.where(is_loss, loss_value, values)
@@ -115,6 +138,7 @@ class TableStep:
             :, boundary.PRODUCED_NON_FINITE : boundary.RECEIVED_NON_FINITE + 1
         ]
         self.measured = table.measure.value > 0
+        self._rose_far = False  # set by `advance`
 
     def log2_divisors(self):
         """`{position: log2 scale}` of every weight this table governs."""
@@ -140,14 +164,18 @@ class TableStep:
         none = ops.zeros((units,), "bool")
 
         def measure():
-            return self.rule(self.statistics, self._per_unit(grads).max_abs)
+            proposed, seen = self.rule(
+                self.statistics, self._per_unit(grads).max_abs
+            )
+            cut = mostly_underflowed(self.statistics, self.table.log2_scales.value)
+            return proposed, seen, cut
 
         def locate():
             return self._per_unit(grads).non_finite > 0
 
-        proposed, seen = ops.cond(
+        proposed, seen, cut = ops.cond(
             self.measured, measure,
-            lambda: (ops.zeros((units,), "float32"), none),
+            lambda: (ops.zeros((units,), "float32"), none, none),
         )
         weight_non_finite = ops.cond(
             self.measured & ~finite, locate, lambda: none
@@ -162,6 +190,7 @@ class TableStep:
             origins=overflow_origins(self.statistics, weight_non_finite),
             involved=weight_non_finite | flagged,
             weight_only=weight_non_finite & ~flagged,
+            cut=_keep_loss_unit(cut, False),
         )
 
     def advance(self, state, observation):
@@ -179,6 +208,15 @@ class TableStep:
             log2_ceiling=self.table.log2_ceilings.value,
         )
         new = self.policy.next_state(state, observation)
+        # Once calibrated, a clean measurement that raised a unit
+        # `UNSEEN_STEP` binades or more found its gradients far from where
+        # they were: the next update may move them as far, so the next step
+        # measures too (the calibrating one rises from a guess).
+        rise = _keep_loss_unit(new.log2_scale - state.log2_scale)
+        self._rose_far = (
+            state.calibrated & self.measured & observation.finite
+            & ops.any(rise >= scale_policy.UNSEEN_STEP)
+        )
         self.table.log2_scales.assign(_keep_loss_unit(new.log2_scale))
         self.table.log2_ceilings.assign(
             _keep_loss_unit(new.log2_ceiling, boundary.NO_CAP)
@@ -206,11 +244,16 @@ class TableStep:
         missed = scheduled & ~self.measured
         # A unit whose gradient all underflowed rises UNSEEN_STEP binades per
         # measurement: measure again at once until it sees values or its cap.
+        # So does one whose values mostly underflowed, until it reaches the
+        # rule's scale, and any far rise once calibrated (`advance`).
         scales = self.table.log2_scales.value
         below_cap = scales < ops.minimum(
             self.table.log2_ceilings.value, self.policy.log2_max
         )
         blind = ~observation.seen & below_cap
-        rising = self.measured & observation.finite & ops.any(_keep_loss_unit(blind, False))
-        measure_next = scheduled_next | missed | rising
+        held = observation.cut & (scales < observation.proposed) & below_cap
+        rising = self.measured & observation.finite & ops.any(
+            _keep_loss_unit(blind | held, False)
+        )
+        measure_next = scheduled_next | missed | rising | self._rose_far
         self.table.measure.assign(ops.cast(measure_next, "float32"))

@@ -62,6 +62,10 @@ class Observation(NamedTuple):
         involved: Per layer: the units a non-finite gradient reached.
         weight_only: Per layer: units where only a weight-gradient sum
             overflowed (its activation gradients were finite).
+        cut: Per layer: units whose measured values were mostly lost to
+            underflow (their most populated binade is the lowest float16
+            holds at their scale), so that the statistics show only the
+            top of their gradients.
     """
 
     finite: object
@@ -72,6 +76,7 @@ class Observation(NamedTuple):
     origins: object = True
     involved: object = True
     weight_only: object = False
+    cut: object = False
 
 
 class Policy:
@@ -295,18 +300,28 @@ class PerLayerScaling(AdaptiveScaling):
     """Mode `"per_layer"`: the adaptive rule for every unit of a model.
 
     `log2_scale` and `log2_ceiling` are vectors (one entry per unit); the
-    observation's `proposed`, `seen`, `origins`, `involved` and `weight_only`
-    too. A clean measured step sets every unit by `adaptive_update`; a unit
-    that saw only zeros rises `UNSEEN_STEP` binades up to its cap. On an
-    overflow only a measured step knows where it started: there, after
-    `hysteresis` overflows, the units where it started back off one binade
-    below the smaller of their scale and the rule's (`WEIGHT_OVERFLOW_STEP`
-    binades where only a weight-gradient sum overflowed, which the rule
-    cannot see), and are capped one binade down; units the overflow did not
-    reach take the rule's scale; the others keep theirs, except before the
-    first clean measurement (`calibrated`), when a loss far larger than
-    expected would overflow every unit in turn: then they drop below the
-    lowest unit that backed off, and the next, measured step sets them all.
+    observation's `proposed`, `seen`, `origins`, `involved`, `weight_only`
+    and `cut` too. A clean measured step sets every unit by
+    `adaptive_update`; a unit that saw only zeros rises `UNSEEN_STEP`
+    binades up to its cap, and so at most does a unit whose values mostly
+    underflowed (`cut`): its scale was a guess the next update can
+    invalidate (the gradients behind a LayerScale initialised to 1e-6 grow
+    a thousandfold when Adam's first update moves it to 1e-3), and the next
+    step measures again (see `layer_scaling.TableStep.record`).
+
+    On an overflow only a measured step knows where it started: there,
+    after `hysteresis` overflows, the units where it started back off one
+    binade below the smaller of their scale and the rule's
+    (`WEIGHT_OVERFLOW_STEP` binades where only a weight-gradient sum
+    overflowed, which the rule cannot see), and are capped one binade down;
+    units the overflow did not reach take the rule's scale. The units it
+    reached, whose own gradients the non-finite values hid, drop as far as
+    the furthest origin did: their gradients come through it and grew with
+    it, so one overflow corrects every unit it reveals at once (not one
+    unit per skipped step), and the next, measured step sets them all from
+    clean statistics. Before the first clean measurement (`calibrated`),
+    when a loss far larger than expected would overflow every unit in turn,
+    they drop below the lowest unit that backed off instead.
 
     Args: those of `AdaptiveScaling`, applied to every unit.
 
@@ -323,6 +338,12 @@ class PerLayerScaling(AdaptiveScaling):
         clean = ops.logical_and(obs.finite, obs.measured)
         proposed = ops.where(
             obs.seen, obs.proposed, ops.minimum(current + UNSEEN_STEP, ceilings)
+        )
+        # Mostly underflowed: rise as if unseen, and measure again.
+        proposed = ops.where(
+            ops.logical_and(obs.seen, obs.cut),
+            ops.minimum(proposed, current + UNSEEN_STEP),
+            proposed,
         )
         proposed = ops.clip(proposed, self.log2_min, self.log2_max)
         if self.max_rise is not None:
@@ -343,13 +364,17 @@ class PerLayerScaling(AdaptiveScaling):
             capped,
         )
         untouched = ops.minimum(proposed, ceilings)
+        # The units the overflow reached drop as far as the furthest origin
+        # of a gradient overflow did (a weight-gradient sum's reaches none).
+        spreads = ops.logical_and(backs_off, ops.logical_not(obs.weight_only))
+        drop = ops.max(ops.where(spreads, current - lowered, 0.0))
         # Before calibration: the units below drop with the lowest origin, and
         # `UNSEEN_STEP` further for their weight-gradient sums (reductions
         # over the batch), which the origins' statistics do not show.
         lowest = ops.min(ops.where(backs_off, lowered, self.log2_max))
         reached = ops.where(
             state.calibrated,
-            current,
+            ops.maximum(current - drop, ops.minimum(current, self.log2_min)),
             ops.minimum(current, ops.maximum(lowest - UNSEEN_STEP, self.log2_min)),
         )
         after_overflow = ops.where(
