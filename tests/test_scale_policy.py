@@ -177,15 +177,17 @@ def test_per_layer_clean_step_sets_every_unit_and_rises_unseen_ones():
     assert new["log2_scale"] == [5, 40, 64, 11]  # rule, rule, max, +8 unseen
 
 
-def test_per_layer_overflow_backs_off_origins_only():
+def test_per_layer_overflow_backs_off_origins_and_what_it_reached():
     policy = sp.PerLayerScaling(100, 1, -32.0, 64.0)
     # unit 0 untouched, 1 origin, 2 received it, 3 origin of a weight-sum overflow
     obs = per_layer_observation(False, [12.0, 9.0, 7.0, 6.0], [True] * 4,
                                 [False, True, False, True], [False, True, True, True],
                                 [False, False, False, True])
     new = values(policy.next_state(per_layer_state([10.0, 10.0, 10.0, 10.0]), obs))
-    assert new["log2_scale"] == [12, 8, 10, 2]  # rule; min(rule, current)-1; kept; -4
-    assert new["log2_ceiling"] == [127, 8, 127, 5]  # capped one binade down only
+    # rule; min(rule, current)-1; as far down as the origin (a weight-sum
+    # overflow reaches nothing); -4
+    assert new["log2_scale"] == [12, 8, 8, 2]
+    assert new["log2_ceiling"] == [127, 8, 127, 5]  # origins capped one binade down only
     assert new["steps_to_measure"] == 0
     unmeasured = obs._replace(measured=False)
     held = values(policy.next_state(per_layer_state([10.0] * 4), unmeasured))
@@ -219,7 +221,7 @@ def test_per_layer_uncalibrated_overflow_takes_the_units_below_down_too():
     first = values(policy.next_state(per_layer_state([0.0, 0.0, 0.0], calibrated=False), obs))
     assert first["log2_scale"] == [0, -21, -29]  # 8 more for its weight sums
     later = values(policy.next_state(per_layer_state([0.0, 0.0, 0.0], calibrated=True), obs))
-    assert later["log2_scale"] == [0, -21, 0]
+    assert later["log2_scale"] == [0, -21, -21]  # as far as the origin dropped
 
 
 @pytest.mark.parametrize("scaling, kind", [
