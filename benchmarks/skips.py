@@ -14,7 +14,14 @@ weights and on the same generated batches (no download), `Adam()` trains
   `tas.AdaptiveLossScaleOptimizer(Adam(), scaling="per_layer")`.
 
 Printed as Markdown: the number of skipped steps per model and mode, and
-the steps (0-based) that were skipped.
+the steps (0-based) that were skipped. Exits 1 where per-layer skipped more
+steps than stock.
+
+Measured on 2 CPU cores, 50 steps, no XLA. Default sizes: stock 1, 11, 7,
+3 skipped steps (ConvNeXtTiny, EfficientNetB0, MobileNetV2, transformer),
+global adaptive 1, 2, 1, 3, per-layer 0, 0, 0, 0. At `--size 64`,
+ConvNeXtTiny: stock 1, per-layer 1 (2 before overflows were corrected all
+at once); EfficientNetB0 9 and 0; MobileNetV2 5 and 0.
 
 Run: PYTHONPATH=. python benchmarks/skips.py [--steps 50]
      [--models convnext_tiny,efficientnet_b0,mobilenet_v2,transformer]
