@@ -166,8 +166,9 @@ class ScaleTable(keras.layers.Layer):
         return self._weight_units.unit_of(variable)
 
     def save_own_variables(self, store):
-        # By name, not Keras's trainable-first order: the scale state is
-        # trainable on JAX only, and a file must load on either backend.
+        # A fixed order, not Keras's trainable-first one, which changed when
+        # the scale state became trainable on TensorFlow too: files written
+        # before (statistics first) still load, on either backend.
         for i, variable in enumerate(self._state_variables()):
             store[str(i)] = variable.numpy()
 
@@ -327,18 +328,15 @@ def _boundary(x, control, statistics, producer, consumer, output_dtype):
 def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     """The converted gradient, and this edge's statistics on measured steps."""
     factor = stats.pow2(control[producer] - control[consumer])
-    # A power of two times a float64 gradient is exact only in float64.
-    standard = keras.backend.standardize_dtype
-    dtypes = (standard(dy.dtype), standard(input_dtype))
-    wide = "float64" if "float64" in dtypes else "float32"
-    dx = ops.cast(ops.cast(dy, wide) * ops.cast(factor, wide), input_dtype)
+    dx = stats.times(dy, factor, input_dtype)
     # Gradients leaving through the model's inputs are not measured: a
     # top-level model never uses them (measuring would compute them for
     # nothing, and an overflow there would skip a step that harms no weight);
     # in a block, the layers they reach have their own checks.
     if producer == LOSS_UNIT:
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
-    rows = _measured_rows(*dtypes)(
+    standard = keras.backend.standardize_dtype
+    rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(
         dy, control, producer, consumer
     )
     # Placing the edge's two rows in the table is a constant one-hot product

@@ -12,6 +12,7 @@ tensor, as the per-layer scales need) goes through the same code.
 
 import typing
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -50,6 +51,25 @@ def pow2(exponent):
     # Rounded: exponents from ops.log2 can be an ulp off an integer.
     biased = ops.cast(ops.round(ops.clip(exponent, -126, 127)), "int32") + 127
     return ops.view(ops.left_shift(biased, 23), "float32")
+
+
+def times(x, factor, dtype=None):
+    """`x * factor` (a float32 power of two), computed in float32, or in
+    float64 where `x` or `dtype` is float64 (exact there too), returned in
+    `dtype` (default: `x`'s).
+
+    Args:
+        x: A float tensor.
+        factor: A float32 scalar tensor.
+        dtype: Optional dtype of the result.
+
+    Returns:
+        The product.
+    """
+    dtype = dtype or x.dtype
+    dtypes = {keras.backend.standardize_dtype(d) for d in (x.dtype, dtype)}
+    wide = "float64" if "float64" in dtypes else "float32"
+    return ops.cast(ops.cast(x, wide) * ops.cast(factor, wide), dtype)
 
 
 class GroupStatistics(typing.NamedTuple):

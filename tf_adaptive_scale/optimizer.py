@@ -498,7 +498,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         reciprocal = stats.pow2(-ops.log2(self.dynamic_scale.value))
         return backends.mark_unscaled(
-            [None if g is None else _times(g, reciprocal) for g in grads]
+            [None if g is None else stats.times(g, reciprocal) for g in grads]
         )
 
     def apply(self, grads, trainable_variables=None):
@@ -623,6 +623,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             return []
         global_log2 = math.log2(float(self.dynamic_scale.numpy()))
+        tables = [(t, t.log2_scales.numpy()) for t in self._scale_tables]
         scales = []
         for variable in self._trainable_variables:
             if gradient_scale.written_by_optimizer(variable):
@@ -630,11 +631,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 continue
             path = getattr(variable, "path", variable.name)
             entry = (path.rsplit("/", 1)[0], global_log2)
-            for table in self._scale_tables:
+            for table, log2 in tables:
                 unit = table.unit_of(variable)
                 if unit is not None:
-                    log2 = float(table.log2_scales.numpy()[unit])
-                    entry = (table.unit_names[unit], global_log2 + log2)
+                    entry = (table.unit_names[unit], global_log2 + float(log2[unit]))
             scales.append(entry)
         return scales
 
@@ -889,11 +889,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
     def _table_step(self, table, statistics, variables, regular):
-        members = [
-            (i, table.unit_of(variables[i]))
-            for i in regular
-            if table.unit_of(variables[i]) is not None
-        ]
+        units = [(i, table.unit_of(variables[i])) for i in regular]
+        members = [(i, unit) for i, unit in units if unit is not None]
         rule = functools.partial(
             layer_scaling.layer_log2_scales,
             underflow_rate=self.underflow_rate,
@@ -1146,12 +1143,5 @@ def _unscale(grads, log2_divisors):
     power of two."""
     unscaled = list(grads)
     for i, log2_divisor in log2_divisors.items():
-        unscaled[i] = _times(grads[i], stats.pow2(-log2_divisor))
+        unscaled[i] = stats.times(grads[i], stats.pow2(-log2_divisor))
     return unscaled
-
-
-def _times(g, factor):
-    """`g * factor` computed in float32 (float64 for a float64 `g`: exact
-    there too), returned in `g`'s dtype."""
-    wide = "float64" if keras.backend.standardize_dtype(g.dtype) == "float64" else "float32"
-    return ops.cast(ops.cast(g, wide) * ops.cast(factor, wide), g.dtype)
