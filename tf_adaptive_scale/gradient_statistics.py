@@ -16,6 +16,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from tf_adaptive_scale import sparse_gradients as sparse
+
 # Exponent bins: bin `i` counts values with floor(log2|g|) == i + EXPONENT_MIN;
 # values outside the range land in the first or last bin. The range covers
 # unscaled gradients from 2**-88 (float16's smallest subnormal at a per-layer
@@ -126,7 +128,10 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
         `(num_groups, NUM_BINS)`; `max_abs`, `zeros`, `non_finite` and
         `squares`, `(num_groups,)`; zero for an empty group.
     """
-    flat = [ops.reshape(t, (-1,)) for t in tensors]
+    # A sparse gradient's stored values are what float16 computed: their
+    # exponents and peak are counted; its squared norm is of its rows summed.
+    flat = [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
+    summed = [ops.reshape(sparse.values(sparse.summed(t)), (-1,)) for t in tensors]
     # Counts: a segment sum per large tensor, one over all small ones
     # concatenated. One over everything made the compiled step slower (7x
     # on an MLP's 1.5M gradient values), one per tensor made its program,
@@ -149,11 +154,11 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     # with their producers; only their few results are grouped (segment ops
     # over all the values are scatters).
     peaks, squares = [], []
-    for f in flat:
+    for f, rows_summed in zip(flat, summed):
         f = ops.cast(f, "float32")
-        keep = ops.isfinite(f)
-        peaks.append(ops.max(ops.where(keep, ops.abs(f), 0.0)))
-        squares.append(ops.sum(ops.where(keep, ops.square(f), 0.0)))
+        peaks.append(ops.max(ops.where(ops.isfinite(f), ops.abs(f), 0.0)))
+        f = ops.cast(rows_summed, "float32")
+        squares.append(ops.sum(ops.where(ops.isfinite(f), ops.square(f), 0.0)))
 
     def per_group(segment_reduce, each):
         each = ops.stack(each)

@@ -34,7 +34,7 @@ class GradientWindow:
     Example:
 
     >>> window = GradientWindow(optimizer, var_list, steps=4)
-    >>> last = window.add({0: grad}, measurement)
+    >>> last = window.add({0: grad}, measurement, loss_finite)
     """
 
     def __init__(self, optimizer, variables, steps):
@@ -53,14 +53,19 @@ class GradientWindow:
         self.count = optimizer.add_variable(
             (), initializer="zeros", dtype="int32", name="window_count"
         )
+        # Whether every micro-batch's loss so far was finite.
+        self.loss_finite = optimizer.add_variable(
+            (), initializer="ones", dtype="bool", name="window_loss_finite"
+        )
 
-    def add(self, values, measurement):
+    def add(self, values, measurement, loss_finite):
         """Adds one micro-batch.
 
         Args:
             values: `{optimizer variable index: gradient or statistics}`.
             measurement: Packed histogram, zeros and peak
                 (`gradient_statistics.combine_measurements`' rows).
+            loss_finite: bool, this micro-batch's loss was finite.
 
         Returns:
             A boolean tensor: whether this micro-batch ends the window.
@@ -76,6 +81,7 @@ class GradientWindow:
             )
         )
         self.count.assign_add(1)
+        self.loss_finite.assign(ops.logical_and(self.loss_finite.value, loss_finite))
         return last
 
     def contents(self, index):
@@ -89,3 +95,4 @@ class GradientWindow:
             total.assign(ops.zeros(total.shape))
         self.measurement.assign(ops.zeros(self.measurement.shape))
         self.count.assign(0)
+        self.loss_finite.assign(True)

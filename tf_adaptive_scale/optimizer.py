@@ -15,6 +15,7 @@ from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import validation
 
 SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
@@ -210,6 +211,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         min_scale = validation.power_of_two("min_scale", min_scale)
         if max_scale is not None:
             max_scale = validation.power_of_two("max_scale", max_scale)
+        if min_scale > (max_scale or PER_LAYER_MAX_SCALE):
+            # Wrong in every mode: refused now, not at the first step.
+            raise ValueError(
+                "`min_scale` must be <= `max_scale` (default: 2**24, or "
+                f"2**64 per layer). Received: min_scale={min_scale}, "
+                f"max_scale={max_scale}"
+            )
         dynamic_growth_steps = validation.positive_int(
             "dynamic_growth_steps", dynamic_growth_steps
         )
@@ -447,16 +455,21 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def scale_loss(self, loss):
         """Multiplies `loss` by the current scale, noting whether it is finite.
 
-        The next `apply` divides the gradients by this same scale (1 where
-        scaling is `"none"` or `"per_layer"`), and treats a non-finite loss as
-        bad data: that step is skipped without backing the scale off.
+        One step is `scale_loss` then `apply`: that `apply` divides the
+        gradients by this same scale (1 where scaling is `"none"` or
+        `"per_layer"`) and treats a non-finite loss as bad data: the step is
+        skipped without backing the scale off. Each call replaces the note of
+        the one before, so a loss scaled and then abandoned (no `apply`)
+        leaves the next step alone.
 
         Args:
-            loss: The loss tensor.
+            loss: The loss: a tensor or a Python number.
 
         Returns:
-            The scaled loss.
+            The scaled loss, in the loss's float dtype (float32 for a number
+            or an integer).
         """
+        loss = _float_tensor(loss)
         self.observe_loss(loss)
         scaled = ops.cast(loss, "float32") * self.dynamic_scale.value
         return ops.cast(scaled, loss.dtype)
@@ -464,16 +477,28 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def observe_loss(self, loss):
         """Notes whether `loss` is finite, for the next `apply` (what
         `scale_loss` does besides scaling; for losses scaled elsewhere).
+        The note replaces any earlier one not yet consumed by `apply`.
 
         Args:
-            loss: The loss tensor.
+            loss: The loss: a tensor or a Python number.
         """
-        self.non_finite_losses.assign_add(
-            ops.cast(ops.logical_not(ops.all(ops.isfinite(loss))), "float32")
+        # Summed over replicas: a non-finite loss on any one is noted.
+        self.non_finite_losses.assign(
+            ops.cast(ops.logical_not(ops.all(ops.isfinite(_float_tensor(loss)))), "float32")
         )
 
     def get_scaled_loss(self, loss):
-        """Legacy tf-keras name of `scale_loss`."""
+        """Legacy tf-keras name of `scale_loss`; `loss` may be a callable
+        returning the loss, as tf-keras accepted.
+
+        Args:
+            loss: The loss, or a callable returning it.
+
+        Returns:
+            The scaled loss (a callable returning it, for a callable).
+        """
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
@@ -486,7 +511,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         results are recognised.
 
         Args:
-            grads: A list of gradients of the scaled loss (entries may be None).
+            grads: A list of gradients of the scaled loss (entries may be
+                None; sparse ones stay sparse).
 
         Returns:
             The list of unscaled gradients.
@@ -497,9 +523,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "scaling='per_layer', pass the gradients to apply() as they are."
             )
         reciprocal = stats.pow2(-ops.log2(self.dynamic_scale.value))
-        return backends.mark_unscaled(
-            [None if g is None else stats.times(g, reciprocal) for g in grads]
-        )
+        unscaled = [
+            None if g is None else stats.times(sparse.values(g), reciprocal)
+            for g in grads
+        ]
+        return [
+            None if g is None else sparse.with_values(g, u)
+            for g, u in zip(grads, backends.mark_unscaled(unscaled))
+        ]
 
     def apply(self, grads, trainable_variables=None):
         """Checks, unscales, clips and applies `grads`, or skips the step.
@@ -511,7 +542,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         pairs = [
-            (ops.convert_to_tensor(g), v)  # densifies IndexedSlices
+            (g, v)  # sparse gradients stay sparse
             for g, v in zip(grads, trainable_variables)
             if g is not None and not hasattr(v, "scale_state")
         ]
@@ -520,6 +551,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
+        self._check_known([v for _, v in pairs])
         pairs, tables = self._split_scale_tables(pairs)
         grads, variables = (list(x) for x in zip(*pairs))
         if self.scaling is None:
@@ -535,6 +567,20 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 lambda: self._replica_measurement(grads, variables, unscaled)
             ),
         )
+
+    def _check_known(self, variables):
+        """Refuses variables this optimizer was not built for (one optimizer
+        compiled into two models, say), as Keras optimizers do."""
+        known = {id(v) for v in self._trainable_variables}
+        for v in variables:
+            if id(v) not in known:
+                raise ValueError(
+                    f"Unknown variable: '{getattr(v, 'path', v.name)}'. The "
+                    f"optimizer '{self.name}' was built for "
+                    f"{len(self._trainable_variables)} other variables and can "
+                    "only be called for those: create a new optimizer for "
+                    "another model or set of variables."
+                )
 
     def _replica_measurement(self, grads, variables, already_unscaled):
         """This replica's own histogram, zero count and peak of its unscaled
@@ -563,7 +609,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         they cannot tell (eagerly), from the global dtype policy."""
         if tables:
             return "per_layer"
-        if backends.computes_in_float16(grads):
+        if backends.computes_in_float16([sparse.values(g) for g in grads]):
             return "adaptive"
         if keras.config.dtype_policy().compute_dtype == "float16":
             return "adaptive"
@@ -571,7 +617,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _already_unscaled(self, grads):
         """Whether `grads` came from `get_unscaled_gradients` (all or none)."""
-        marks = backends.unscaled_marks(grads)
+        marks = backends.unscaled_marks([sparse.values(g) for g in grads])
         if any(marks) and not all(marks):
             raise ValueError(
                 "Some gradients passed to apply() come from "
@@ -701,11 +747,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         step(
             grads, table_grads, replica_measurement, variables, apply_fn,
             already_unscaled, tables,
+            ops.equal(self.non_finite_losses.value, 0.0),
         )
+        # This step's note on its loss is used up (see `scale_loss`).
+        self.non_finite_losses.assign(0.0)
 
     def _add_to_window(
         self, grads, table_grads, replica_measurement, variables, apply_fn,
-        already_unscaled, tables,
+        already_unscaled, tables, loss_finite,
     ):
         """Adds one micro-batch to the window (its unscaled gradients and
         statistics); the window's last micro-batch decides for all."""
@@ -725,11 +774,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         else:
             measurement, _ = self._replica_measurement(grads, variables, already_unscaled)
         index = self._get_variable_index
-        values = {index(variables[i]): unscaled[i] for i in regular}
+        # The window's sums are dense: a sparse gradient is summed into them.
+        values = {index(variables[i]): sparse.dense(unscaled[i]) for i in regular}
         values.update(
             {index(t.statistics): s for (_, t), s in zip(tables, table_grads)}
         )
-        last = self._window.add(values, measurement)
+        last = self._window.add(values, measurement, loss_finite)
 
         def window(grads):
             """The window's mean in place of a micro-batch's gradients."""
@@ -750,6 +800,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 ),
                 True,
                 tables,
+                self._window.loss_finite.value,
             )
             self._window.reset()
 
@@ -767,12 +818,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _decide(
         self, grads, table_grads, replica_measurement, variables, apply_fn,
-        already_unscaled, tables,
+        already_unscaled, tables, loss_finite,
     ):
         """Checks, applies or skips, measures and updates the scales once."""
         regular = self._regular(variables)
         state = self._scale_state()
-        loss_finite = ops.equal(self.non_finite_losses.value, 0.0)
         scheduled = ops.equal(state.steps_to_measure, 0)
         steps = [
             self._table_step(table, statistics, variables, regular)
@@ -798,14 +848,24 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # Where each regular gradient's per-variable records go.
         rows = [[self._get_variable_index(variables[i])] for i in regular]
         # What reaches the weights is what is checked.
-        finite_each = ops.stack(
-            [ops.all(ops.isfinite(applied[i])) for i in regular]
-        )
+        finite_each = [
+            ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular
+        ]
         # A step whose loss was not finite is bad data: skipped as well.
-        finite = ops.logical_and(ops.all(finite_each), loss_finite)
+        finite = ops.logical_and(_all(finite_each), loss_finite)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
-        measure = ops.logical_and(scheduled, finite)
+        # Only variables overwritten with their gradients: nothing to measure.
+        measure = ops.logical_and(scheduled, finite) if regular else _any([])
+        applies = finite
+        if not steps:
+            # A step whose gradients all underflowed is not applied as one.
+            seen = _any(
+                [ops.any(ops.not_equal(sparse.values(g), 0)) for g in regular_grads]
+            )
+            applies = ops.logical_and(
+                finite, ops.logical_not(self._policy.blind(state, measure, seen))
+            )
 
         def on_finite():
             apply_fn(applied, lambda grads: transform(grads)[1])
@@ -819,22 +879,24 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # optimizer (a scatter or a nested measurement in a branch keeps the
         # conditional around the whole update: no faster on CPU, measured,
         # and on GPU XLA waits on the host for every conditional's branch).
-        branching.select(finite, on_finite, on_non_finite)
-        self.non_finite_gradients.assign(
-            ops.where(
-                finite,
-                self.non_finite_gradients.value,
-                ops.scatter_update(
-                    ops.zeros(self.non_finite_gradients.shape), rows,
-                    ops.cast(ops.logical_not(finite_each), "float32"),
-                ),
+        branching.select(applies, on_finite, on_non_finite)
+        if regular:
+            self.non_finite_gradients.assign(
+                ops.where(
+                    finite,
+                    self.non_finite_gradients.value,
+                    ops.scatter_update(
+                        ops.zeros(self.non_finite_gradients.shape), rows,
+                        ops.cast(ops.logical_not(ops.stack(finite_each)), "float32"),
+                    ),
+                )
             )
-        )
-        branching.cond(
-            measure,
-            lambda: self._measure(regular_grads, rows, *replica_measurement),
-            lambda: None,
-        )
+        if regular:
+            branching.cond(
+                measure,
+                lambda: self._measure(regular_grads, rows, *replica_measurement),
+                lambda: None,
+            )
         if steps:
             for step in steps:
                 observation = step.observation(unscaled, finite, loss_finite)
@@ -860,12 +922,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 ),
             )
         self._write_state(new, measure)
-        self.non_finite_losses.assign(0.0)
         self.total_steps.assign_add(1)
-        self.last_step_finite.assign(finite)
+        self.last_step_finite.assign(applies)
         self.last_loss_finite.assign(loss_finite)
         self.consecutive_skips.assign(
-            ops.where(finite, 0, self.consecutive_skips.value + 1)
+            ops.where(applies, 0, self.consecutive_skips.value + 1)
         )
 
     def _write_state(self, state, measured):
@@ -970,6 +1031,26 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             The clipped gradients and a function that records, on a step
             that is applied, that clipping acted and AutoClip's new norm.
         """
+        if not self._clips():
+            return grads, lambda: None
+        # Clippers see a sparse gradient's rows summed per index (its norms
+        # and elements are the dense gradient's) and give it back sparse.
+        summed = [sparse.summed(g) for g in grads]
+        clipped, commit = self._clip_values([sparse.values(g) for g in summed], [
+            sparse.rows_of(v, g) for g, v in zip(summed, variables)
+        ])
+        return [sparse.with_values(g, c) for g, c in zip(summed, clipped)], commit
+
+    def _clips(self):
+        """Whether any clipper is on."""
+        return any(
+            x is not None
+            for x in (self.agc_factor, self.clip_value, self.clip_norm,
+                      self.global_clip_norm, self.autoclip_percentile)
+        )
+
+    def _clip_values(self, grads, variables):
+        """`_clip` on dense values (`variables` their weights' values)."""
         acted, commits = [], []
         if self.agc_factor is not None:
             grads, a = clipping.adaptive_grad_clip(
@@ -1140,8 +1221,28 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
 def _unscale(grads, log2_divisors):
     """`grads` with those at the indices of `log2_divisors` divided by their
-    power of two."""
+    power of two (a sparse gradient's stored values)."""
     unscaled = list(grads)
     for i, log2_divisor in log2_divisors.items():
-        unscaled[i] = stats.times(grads[i], stats.pow2(-log2_divisor))
+        factor = stats.pow2(-log2_divisor)
+        unscaled[i] = sparse.map_values(lambda g: stats.times(g, factor), grads[i])
     return unscaled
+
+
+def _all(flags):
+    """Whether all boolean scalars `flags` hold (True for none)."""
+    return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
+
+
+def _any(flags):
+    """Whether any boolean scalar of `flags` holds (False for none)."""
+    return ops.any(ops.stack(flags)) if flags else ops.convert_to_tensor(False)
+
+
+def _float_tensor(loss):
+    """`loss` as a float tensor (a Python number or an int: float32, the
+    dtype the stock optimizer's product has)."""
+    loss = ops.convert_to_tensor(loss)
+    if not keras.backend.is_float_dtype(loss.dtype):
+        loss = ops.cast(loss, "float32")
+    return loss

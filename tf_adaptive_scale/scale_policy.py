@@ -101,6 +101,20 @@ class Policy:
         """
         return self._schedule(state, observation, self._overflowed(observation))
 
+    def blind(self, state, measured, seen):
+        """Whether a finite step is not applied because its gradients tell
+        nothing: only a scale still searching for the gradients skips one.
+
+        Args:
+            state: The `ScaleState` the step ran with.
+            measured: bool, the step was measured.
+            seen: bool, any gradient value was nonzero.
+
+        Returns:
+            A boolean tensor.
+        """
+        return ops.convert_to_tensor(False)
+
     @staticmethod
     def _overflowed(obs):
         return ops.logical_and(ops.logical_not(obs.finite), obs.loss_finite)
@@ -254,6 +268,18 @@ class AdaptiveScaling(Policy):
         self.log2_min = log2_min
         self.log2_max = log2_max
         self.max_rise = max_rise
+
+    def blind(self, state, measured, seen):
+        """Before calibration, a measured step whose gradients all
+        underflowed (all zero) while the scale can still rise changes no
+        weight, yet would count as a step (Adam's moments, schedules): it is
+        skipped, and the scale rises `UNSEEN_STEP` binades."""
+        return ops.logical_and(
+            ops.logical_and(measured, ops.logical_not(seen)),
+            ops.logical_and(
+                ops.logical_not(state.calibrated), state.log2_scale < self.log2_max
+            ),
+        )
 
     def next_state(self, state, obs):
         overflow, streak, back_off = self._streak(state, obs, self.hysteresis)

@@ -5,7 +5,11 @@ import numbers
 
 
 def positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """An int >= 1; an integral float (2.0) is taken, as Keras takes it."""
+    integral = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and float(value).is_integer()
+    )
+    if isinstance(value, bool) or not integral:
         raise TypeError(f"`{name}` must be an int >= 1. Received: {value!r}")
     if value < 1:
         raise ValueError(f"`{name}` must be an int >= 1. Received: {value}")
