@@ -74,14 +74,15 @@ def unscaled_marks(tensors):
     """
     if tf.executing_eagerly():
         return [_eager_unscaled.get(id(t)) is t for t in tensors]
-    graph = tensors[0].graph if tensors else None
+    # Tensors captured from outside the trace have no graph: never marked.
+    graph = next((t.graph for t in tensors if hasattr(t, "graph")), None)
     if graph is None or not any(
         op.type == "Identity" and op.name.split("/")[-1].startswith(UNSCALED_OP_NAME)
         for op in graph.get_operations()
     ):
         return [False] * len(tensors)
     verdicts = {}
-    return [_derived(t.op, verdicts) for t in tensors]
+    return [hasattr(t, "graph") and _derived(t.op, verdicts) for t in tensors]
 
 
 def _derived(op, verdicts):
