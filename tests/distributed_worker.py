@@ -358,6 +358,53 @@ def equivalence_accumulation():
     )
 
 
+def equivalence_sparse_embedding():
+    """An Embedding's sparse gradient under the strategy: summed over the
+    replicas, clipped and applied as `tf.IndexedSlices`, as on one device."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    types = []
+
+    class Recording(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            types.extend(type(g).__name__ for g in grads)
+            return super().apply(grads, trainable_variables)
+
+    def make():
+        return keras.Sequential([
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ])
+
+    try:
+        keras.utils.set_random_seed(4)
+        weights0 = make().get_weights()
+        rng = np.random.default_rng(4)
+        x = rng.integers(0, 50, (STEPS * GLOBAL_BATCH, 5)).astype("int32")
+        y = rng.normal(0.0, 1.0, (STEPS * GLOBAL_BATCH, 1)).astype("float32")
+        runs = {}
+        for name, strategy in (("mirrored", mirrored_strategy()), ("single", None)):
+            types.clear()
+            with strategy.scope() if strategy is not None else nullcontext():
+                model = make()
+                model.set_weights(weights0)
+                opt = tas.AdaptiveLossScaleOptimizer(
+                    Recording(0.5), scaling="dynamic", global_clipnorm=0.05
+                )
+                model.compile(optimizer=opt, loss="mse", jit_compile=False)
+            model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+            runs[name] = {
+                "weights": [w.tolist() for w in model.get_weights()],
+                "types": sorted(set(types)),
+                "clipped_steps": int(_value(opt.clipped_steps)),
+            }
+        runs["initial"] = [w.tolist() for w in weights0]
+        return runs
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 # ---------------------------------------------------------------------------
 # Scenarios 4-6: per-layer scaling (tas.instrument) under the strategy.
 # ---------------------------------------------------------------------------
@@ -799,6 +846,7 @@ SCENARIOS = {
     "equivalence_dynamic_clipnorm": equivalence_dynamic_clipnorm,
     "equivalence_adaptive_fp16": equivalence_adaptive_fp16,
     "equivalence_accumulation": equivalence_accumulation,
+    "equivalence_sparse_embedding": equivalence_sparse_embedding,
     "per_layer_fit_fp16": per_layer_fit_fp16,
     "per_layer_fixed_scales_fp32": per_layer_fixed_scales_fp32,
     "global_statistics_per_replica": global_statistics_per_replica,

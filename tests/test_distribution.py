@@ -95,6 +95,7 @@ GROUPS = (
         "per_layer_fixed_scales_fp32",
         "per_layer_overflow_fp16",
         "global_statistics_per_replica",
+        "equivalence_sparse_embedding",
     ),
 )
 
@@ -247,6 +248,16 @@ def test_mirrored_matches_single_device_dynamic_global_clipnorm():
     assert mirrored["clipped_steps"] == single["clipped_steps"]
     assert single["clipped_steps"] > 0
     assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
+
+
+def test_mirrored_sparse_embedding_stays_sparse_and_matches_single_device():
+    r = _scenario("equivalence_sparse_embedding")
+    mirrored, single = r["mirrored"], r["single"]
+    assert mirrored["types"] == single["types"] == ["IndexedSlices", "SymbolicTensor"]
+    assert mirrored["clipped_steps"] == single["clipped_steps"] > 0
+    for m, s, w0 in zip(mirrored["weights"], single["weights"], r["initial"]):
+        assert not np.array_equal(s, w0)
+        np.testing.assert_allclose(m, s, rtol=1e-4, atol=1e-6)
 
 
 def test_global_statistics_are_each_replicas_own():
