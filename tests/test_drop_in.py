@@ -212,3 +212,34 @@ def test_a_non_finite_sparse_gradient_skips_the_step():
     assert int(opt.skipped_steps) == 1
     np.testing.assert_array_equal(var.numpy(), np.ones((10, 2)))
     assert float(opt.loss_scale) == 2.0**14
+
+
+def test_fit_accumulation_carries_an_unfinished_window_into_the_next_epoch():
+    """5 batches an epoch, windows of 2: the fifth batch and the next
+    epoch's first make one window; after 2 epochs, 5 windows applied. The
+    reference: plain SGD on the same stream in batches twice as large."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20, 3)).astype("float32")
+    y = rng.standard_normal((20, 1)).astype("float32")
+
+    def model(optimizer):
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        m.compile(optimizer=optimizer, loss="mse")
+        return m
+
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.1), scaling="dynamic", accumulation_steps=2
+    )
+    ours = model(opt)
+    ours.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 2  # the fifth batch waits
+    ours.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 5
+    reference = model(keras.optimizers.SGD(0.1))
+    reference.fit(
+        np.concatenate([x, x]), np.concatenate([y, y]), batch_size=8,
+        shuffle=False, verbose=0,
+    )
+    for a, b in zip(ours.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

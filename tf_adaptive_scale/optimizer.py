@@ -143,7 +143,11 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             applied (their mean) or skipped once, and the scale is updated
             once: an overflow in any micro-batch skips the window. Counters
             (`total_steps`, `skipped_steps`, the inner `iterations`) count
-            windows. Use this, not the inner optimizer's
+            windows. A window ignores epochs: micro-batches left at an
+            epoch's end (batches per epoch not a multiple of K) open the
+            next epoch's first window; those left when `fit` ends stay in
+            the optimizer's state (saved with it) and join the next `fit`'s
+            first window. Use this, not the inner optimizer's
             `gradient_accumulation_steps`, which is refused.
         name: Optional name.
 
