@@ -1,9 +1,12 @@
 """tas.make_train_step: the same training as model.fit, traced once, with
 gradient accumulation that equals one step on the whole batch."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_adaptive_scale as tas
 
@@ -138,7 +141,7 @@ def test_accumulation_in_float16_matches_a_float32_step(float16_policy):
     keras.mixed_precision.set_global_policy("float32")
     reference = make_model(middle_activation="tanh")
     reference.set_weights(w0)
-    with __import__("tensorflow").GradientTape() as tape:
+    with tf.GradientTape() as tape:
         pred = reference(x)
         loss = keras.ops.mean(keras.ops.square(pred - y)) + keras.ops.sum(
             keras.ops.stack(reference.losses))
@@ -258,8 +261,6 @@ def test_window_statistics_combine_its_micro_batches():
     micro = [np.array([2.0**-30, 0.5, 3.0, -1.0], "float32"),
              np.array([8.0, 2.0**-3, 0.0, 1.0], "float32")]
 
-    import tensorflow as tf
-
     @tf.function
     def step(g):
         opt.apply([opt.scale_loss(g)], [var])
@@ -273,3 +274,118 @@ def test_window_statistics_combine_its_micro_batches():
     assert float(opt.gradient_zeros) == 1.0
     np.testing.assert_allclose(var.numpy(), -(micro[0] + micro[1]) / 2, rtol=1e-6)
     assert int(opt.total_steps) == int(opt.measurements) == 1
+
+
+# ------------------------------------------------ losses, batches, outputs
+
+
+def sgd_reference(model, x, y, loss, learning_rate, sample_weight=None):
+    """The weights after one float32 step of a plain Keras SGD on a copy of
+    `model`, with gradients from a GradientTape of `loss(y, y_pred, w)` on
+    the whole batch (plus the weight penalties)."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    with tf.GradientTape() as tape:
+        value = loss(y, copy(x), sample_weight) + sum(copy.losses)
+    variables = copy.trainable_variables
+    grads = tape.gradient(value, variables)
+    keras.optimizers.SGD(learning_rate).apply(grads, variables)
+    return weights(copy)
+
+
+def test_a_lambda_or_partial_loss_function_works():
+    """A loss function's name becomes a name scope: '<lambda>' is not one."""
+    x, y = data(6, n=8)
+    mse = keras.losses.MeanSquaredError()
+    for loss_fn in (lambda t, p: keras.ops.mean(keras.ops.square(p - t), axis=-1),
+                    functools.partial(keras.losses.mean_squared_error)):
+        model = make_model()
+        expected = sgd_reference(model, x, y, mse, 0.5)
+        step = tas.make_train_step(model, loss_fn, keras.optimizers.SGD(0.5),
+                                   jit_compile=False)
+        assert bool(step(x, y)["step_finite"])
+        for a, b in zip(weights(model), expected):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch, weighted", [(10, False), (10, True), (3, True)],
+                         ids=["10", "10-weighted", "3-weighted"])
+def test_accumulation_of_a_partial_batch_equals_one_step_on_it(batch, weighted):
+    """The last batch of a dataset, which 4 does not divide (3 < 4 too): one
+    step on its samples, weight penalty and sample weights included (XLA)."""
+    x, y = data(7, n=batch)
+    sample_weight = (np.random.default_rng(7).uniform(0.5, 2.0, batch).astype("float32")
+                     if weighted else None)
+    model = make_model()
+    expected = sgd_reference(model, x, y, keras.losses.MeanSquaredError(), 0.5,
+                             sample_weight)
+    step = tas.make_train_step(model, "mse", keras.optimizers.SGD(0.5),
+                               accumulation_steps=4)
+    logs = step(x, y, sample_weight)
+    assert bool(logs["step_finite"]) and int(step.optimizer.iterations) == 1
+    for a, b in zip(weights(model), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert step.tracing_count() == 1
+
+
+def test_accumulation_with_batch_sizes_unknown_to_the_trace():
+    """Inside a function traced for any batch size (as a dataset's batches
+    under a strategy are), every size works with one trace under XLA: a
+    multiple of 4 (one group of micro-batches is empty) and an empty batch
+    (both are)."""
+    model = make_model()
+    step = tas.make_train_step(model, "mse", keras.optimizers.SGD(0.5),
+                               accumulation_steps=4)
+    loop = tf.function(step, input_signature=[tf.TensorSpec((None, 6)),
+                                              tf.TensorSpec((None, 1))])
+    x, y = data(10, n=8)
+    expected = sgd_reference(model, x, y, keras.losses.MeanSquaredError(), 0.5)
+    loop(x, y)
+    for a, b in zip(weights(model), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    loop(x[:0], y[:0])
+    assert int(step.optimizer.iterations) == int(step.optimizer.skipped_steps) == 1
+    assert loop.experimental_get_tracing_count() == step.tracing_count() == 1
+
+
+@pytest.mark.parametrize("targets", ["list", "dict"])
+def test_one_loss_for_two_outputs_is_summed_over_them(targets):
+    """As Keras's compile(loss="mse"): the loss of each output, summed."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(1, name="a")(h),
+                                 keras.layers.Dense(2, name="b")(h)])
+    x, y = data(8, n=8)
+    y2 = np.concatenate([y, -2 * y], axis=1)
+    mse = keras.losses.MeanSquaredError()
+
+    def summed(t, p, w):
+        return mse(t[0], p[0]) + mse(t[1], p[1])
+
+    loss = float(summed([y, y2], model(x), None))
+    expected = sgd_reference(model, x, [y, y2], summed, 0.5)
+    step = tas.make_train_step(model, "mse", keras.optimizers.SGD(0.5),
+                               jit_compile=False)
+    logs = step(x, [y, y2] if targets == "list" else {"b": y2, "a": y})
+    assert float(logs["loss"]) == pytest.approx(loss, rel=1e-6)
+    for a, b in zip(weights(model), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_an_empty_batch_is_skipped(k):
+    """Zero gradients are no step: Adam's momentum would move the weights."""
+    x, y = data(9, n=8)
+    model = make_model()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2))
+    step = tas.make_train_step(model, "mse", opt, accumulation_steps=k)
+    step(x, y)
+    before = weights(model)
+    scale = float(opt.loss_scale)
+    step(x[:0], y[:0])
+    for a, b in zip(before, weights(model)):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.inner_optimizer.iterations) == 1
+    assert int(opt.skipped_steps) == 1
+    assert float(opt.loss_scale) == scale  # bad data, not an overflow

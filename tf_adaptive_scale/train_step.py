@@ -33,25 +33,35 @@ def make_train_step(
     schedule, or gradient accumulation over micro-batches.
 
     With `accumulation_steps=K`, each call takes one window of K
-    micro-batches (the batch is split along its first axis) and runs them
-    one after the other, so only one micro-batch's activations are held at a
-    time. The gradients are summed in float32 at the window's scale (per
-    layer in per-layer mode), then checked once, applied or skipped once, and
-    the scale is updated once: an overflow in any micro-batch skips the
-    window. The result equals one step on the whole batch.
+    micro-batches (the batch is split along its first axis, into sizes that
+    differ by at most one when K does not divide it) and runs them one after
+    the other, so only one micro-batch's activations are held at a time.
+    The gradients are summed in float32 at the window's scale (per layer in
+    per-layer mode), each micro-batch weighted by its share of the samples,
+    then checked once, applied or skipped once, and the scale is updated
+    once: an overflow in any micro-batch skips the window. The result equals
+    one step on the whole batch (for a loss that averages over the samples,
+    as Keras's default `"sum_over_batch_size"` reduction does).
+
+    An empty batch (the last one of a dataset, say) is skipped: no weight or
+    optimizer slot changes, and it is counted in `skipped_steps`.
 
     Args:
         model: A built Keras model, plain or made by `tas.instrument`.
         loss_fn: A Keras loss (name, function or `keras.losses.Loss`),
             called as `loss_fn(y_true, y_pred, sample_weight)` and reduced
-            over the batch.
+            over the batch. As with Keras's `compile(loss=...)`, a model with
+            several outputs gets the loss applied to each output and the
+            results summed: `y` (and `sample_weight`, unless one applies to
+            every output) is then a list or tuple in the order of the
+            outputs, or a dict keyed by output name.
         optimizer: A `tas.AdaptiveLossScaleOptimizer`, or a Keras optimizer,
             which is wrapped in one with its defaults.
         jit_compile: Whether to compile the step with XLA. Under a strategy
             of several replicas, the forward and backward passes are
             compiled, and the optimizer's cross-replica step is not.
-        accumulation_steps: Micro-batches per window (an int >= 1); the
-            batch size must be a multiple of it.
+        accumulation_steps: Micro-batches per window (an int >= 1), any
+            batch size.
         strategy: Optional `tf.distribute.Strategy`; by default the one in
             scope. Create the model inside its scope. The step takes the
             global batch, as plain tensors (split evenly over the replicas)
@@ -208,7 +218,14 @@ class TrainStep:
     def _replica_step(self, x, y, sample_weight):
         variables = self.model.trainable_variables
         grads, loss = self._gradient_fn(x, y, sample_weight)
-        self.optimizer.observe_loss(loss)
+        batch = ops.cast(_batch_size(x), "float32")
+        if self._distributed:
+            # Only an empty global batch is skipped: a replica's shard of a
+            # short one may be empty alone.
+            batch = tf.distribute.get_replica_context().all_reduce("sum", batch)
+        # An empty batch has zero gradients, which Adam's momentum would still
+        # apply: a non-finite loss makes the optimizer skip the step instead.
+        self.optimizer.observe_loss(ops.where(batch > 0, loss, float("nan")))
         self.optimizer.apply(grads, variables)
         return self._logs(loss)
 
@@ -217,50 +234,87 @@ class TrainStep:
         mean loss."""
         k = self.accumulation_steps
         if k == 1:
-            return self._micro_batch(x, y, sample_weight)
-        windows = _map(lambda t: _split(t, k), (x, y, sample_weight))
-
-        def micro_batch(i):
-            return self._micro_batch(*_map(lambda t: t[i], windows))
-
-        def body(i, carry):
-            grads, loss = micro_batch(i)
-            summed, total = carry
-            return [
-                gradient_window.accumulate(a, g, statistics)
-                for a, g, statistics in zip(summed, grads, self._is_statistics)
-            ], total + loss
-
+            return self._micro_batch(x, y, sample_weight, 1.0)
+        # `rest` micro-batches of `size + 1` samples, then `k - rest` of
+        # `size`: any batch splits into two groups of static shapes (XLA
+        # needs them). The batch size is a tensor where the trace does not
+        # know it (a dataset's batches under a strategy, say).
+        batch = _batch_size(x)
+        static = isinstance(batch, int)
+        size, rest = batch // k, batch % k
         # Float32 sums at the window's one scale: gradients of float16
         # variables too.
-        grads, loss = micro_batch(0)
-        grads, loss = ops.fori_loop(
-            1, k, body, ([ops.cast(g, "float32") for g in grads], loss)
+        carry = (
+            [ops.zeros(v.shape, "float32") for v in self.model.trainable_variables],
+            ops.zeros((), "float32"),
         )
-        return grads, loss / k
+        start = 0
+        for count, length in ((rest, size + 1), (k - rest, size)):
+            if static and count * length == 0:
+                continue  # nothing to run, so nothing to trace
+            group = _map(
+                lambda t: _micro_batches(t, start, count, length, static),
+                (x, y, sample_weight),
+            )
+            start = start + count * length
+            share = ops.cast(length, "float32") / ops.cast(batch, "float32")
 
-    def _micro_batch(self, x, y, sample_weight):
+            def body(i, carry, group=group, share=share):
+                grads, loss = self._micro_batch(*_map(lambda t: t[i], group), share)
+                summed, total = carry
+                return [
+                    gradient_window.accumulate(a, g, statistics)
+                    for a, g, statistics in zip(summed, grads, self._is_statistics)
+                ], total + loss
+
+            # A micro-batch of no samples (a batch smaller than k) is not run.
+            carry = ops.fori_loop(0, ops.where(length > 0, count, 0), body, carry)
+        return carry
+
+    def _micro_batch(self, x, y, sample_weight, share):
         variables = self.model.trainable_variables
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         with tf.GradientTape() as tape:
             y_pred = self.model(x, training=True)
             # As in `model.fit`: a Keras loss already divides its mean by
             # the number of replicas, and `model.losses` are divided here.
-            loss = ops.cast(self.loss_fn(y, y_pred, sample_weight), "float32")
+            loss = self._total_loss(y, y_pred, sample_weight)
             if self.model.losses:
                 loss = loss + ops.sum(
                     ops.stack([ops.cast(l, "float32") for l in self.model.losses])
                 ) / replicas
-            # `scale_loss`'s product, at a micro-batch's share; the loss is
-            # observed once per window, outside the loop (an update of a
-            # variable summed over replicas cannot run in a loop or a
-            # nested function).
-            scaled = loss / self.accumulation_steps * self.optimizer.loss_scale
+            # A micro-batch's mean weighs in by its share of the window's
+            # samples, which sums weight penalties (equal in each) to one.
+            loss = loss * share
+            # `scale_loss`'s product; the loss is observed once per window,
+            # outside the loop (an update of a variable summed over replicas
+            # cannot run in a loop or a nested function).
+            scaled = loss * self.optimizer.loss_scale
         grads = tape.gradient(scaled, variables)
         return [
             ops.zeros_like(v) if g is None else ops.convert_to_tensor(g)
             for g, v in zip(grads, variables)
         ], loss * replicas
+
+    def _total_loss(self, y, y_pred, sample_weight):
+        """`loss_fn` as a float32 scalar, summed over several outputs."""
+        if not isinstance(y_pred, (list, tuple, dict)):
+            terms = [(y, y_pred, sample_weight)]
+        else:
+            if isinstance(y_pred, dict):
+                names, outputs = list(y_pred), list(y_pred.values())
+            else:
+                names, outputs = getattr(self.model, "output_names", None), list(y_pred)
+            terms = zip(
+                _per_output(y, names, len(outputs), "y"),
+                outputs,
+                _per_output(sample_weight, names, len(outputs), "sample_weight"),
+            )
+        # A sum, as the gradient of an unreduced loss is; Keras leaves an
+        # empty batch's loss unreduced, of shape (0,).
+        return sum(
+            ops.sum(ops.cast(self.loss_fn(t, p, w), "float32")) for t, p, w in terms
+        )
 
     def _logs(self, loss):
         opt = self.optimizer
@@ -286,9 +340,52 @@ def _map(fn, structure):
     return keras.tree.map_structure(fn, structure, none_is_leaf=False)
 
 
-def _split(tensor, parts):
-    """`tensor` cut along its first axis into a new first axis of `parts`."""
-    return ops.reshape(tensor, (parts, -1, *tensor.shape[1:]))
+def _split(tensor, parts, length=-1):
+    """`tensor` cut along its first axis into `parts` of `length`."""
+    return ops.reshape(tensor, (parts, length, *ops.shape(tensor)[1:]))
+
+
+def _micro_batches(tensor, start, count, length, static):
+    """Rows `[start, start + count * length)` of `tensor`, as `count`
+    micro-batches of `length` along a new first axis."""
+    rows = tensor[start : start + count * length]
+    if static:
+        return _split(rows, count, length)
+    # XLA compiles the loop body even where no micro-batch runs, and cannot
+    # take one from a group of none: one spare of zeros, never run.
+    spare = ops.zeros((length, *ops.shape(tensor)[1:]), tensor.dtype)
+    return _split(ops.concatenate([rows, spare]), count + 1, length)
+
+
+def _batch_size(x):
+    """The first axis of the inputs: an int, or a tensor if not static."""
+    return ops.shape(keras.tree.flatten(x)[0])[0]
+
+
+def _per_output(value, names, outputs, what):
+    """`y` or `sample_weight` as a list, one per output: from a dict by
+    output name, a list or tuple in order, or a `sample_weight` (or a
+    single output's `y`) the same for every output."""
+    if isinstance(value, dict):
+        if names is None or set(names) - set(value):
+            raise ValueError(
+                f"`{what}` is a dict, so it needs one entry per output name "
+                f"{names}. Received keys: {sorted(value)}"
+            )
+        return [value[name] for name in names]
+    if isinstance(value, (list, tuple)):
+        if len(value) != outputs:
+            raise ValueError(
+                f"The model has {outputs} outputs, but `{what}` has "
+                f"{len(value)} entries."
+            )
+        return list(value)
+    if what == "y" and outputs > 1:
+        raise ValueError(
+            f"The model has {outputs} outputs: give `y` as a list, tuple or "
+            "dict with one target per output."
+        )
+    return [value] * outputs
 
 
 def _loss(loss_fn):
@@ -309,7 +406,10 @@ class _FunctionLoss(keras.losses.Loss):
     """A per-sample loss function, reduced and weighted as Keras does."""
 
     def __init__(self, fn):
-        super().__init__(name=getattr(fn, "__name__", "loss"))
+        # The name becomes a name scope: a lambda's '<lambda>' is none.
+        name = getattr(fn, "__name__", "")
+        valid = name.isidentifier() and name.isascii()
+        super().__init__(name=name if valid else "loss")
         self.fn = fn
 
     def call(self, y_true, y_pred):
