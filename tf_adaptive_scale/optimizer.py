@@ -314,6 +314,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.non_finite_losses = self._state(
             "non_finite_losses", 0.0, aggregation="sum"
         )
+        # The scale `scale_loss` multiplied this step's loss by (0: none
+        # noted): the mode may be resolved between the two calls.
+        self.loss_scale_used = self._state("loss_scale_used", 0.0)
         self.scaling = None
         if scaling is not None:
             self._resolve(scaling)
@@ -475,8 +478,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         loss = _float_tensor(loss)
         self.observe_loss(loss)
-        scaled = ops.cast(loss, "float32") * self.dynamic_scale.value
-        return ops.cast(scaled, loss.dtype)
+        scale = self.dynamic_scale.value
+        self.loss_scale_used.assign(scale)
+        return ops.cast(ops.cast(loss, "float32") * scale, loss.dtype)
 
     def observe_loss(self, loss):
         """Notes whether `loss` is finite, for the next `apply` (what
@@ -753,8 +757,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             already_unscaled, tables,
             ops.equal(self.non_finite_losses.value, 0.0),
         )
-        # This step's note on its loss is used up (see `scale_loss`).
+        # This step's notes on its loss are used up (see `scale_loss`).
         self.non_finite_losses.assign(0.0)
+        self.loss_scale_used.assign(0.0)
 
     def _add_to_window(
         self, grads, table_grads, replica_measurement, variables, apply_fn,
@@ -814,7 +819,15 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """Every gradient is divided by the scale `scale_loss` applied and, in
         an instrumented model, by its layer's; in float32 (a float16 scale of
         2**16 would be inf)."""
-        log2_divisors = {i: state.log2_scale for i in regular}
+        # The scale `scale_loss` used, else the current one (a loss scaled
+        # by `loss_scale` directly): they differ only on the step that
+        # resolves `scaling=None`.
+        used = self.loss_scale_used.value
+        log2_loss_scale = ops.where(
+            used > 0, ops.round(ops.log2(ops.maximum(used, 2.0**-126))),
+            state.log2_scale,
+        )
+        log2_divisors = {i: log2_loss_scale for i in regular}
         for step in steps:
             for i, log2_unit in step.log2_divisors().items():
                 log2_divisors[i] = log2_divisors[i] + log2_unit
@@ -855,8 +868,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         finite_each = [
             ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular
         ]
+        # Variables overwritten with their gradients (float8 scales) are
+        # checked too, as the stock optimizer checks them.
+        overwritten = [
+            ops.all(ops.isfinite(sparse.values(g)))
+            for i, g in enumerate(applied) if i not in regular
+        ]
         # A step whose loss was not finite is bad data: skipped as well.
-        finite = ops.logical_and(_all(finite_each), loss_finite)
+        finite = ops.logical_and(_all(finite_each + overwritten), loss_finite)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
         # Only variables overwritten with their gradients: nothing to measure.
