@@ -103,10 +103,30 @@ def test_uncalibrated_overflow_drops_39_binades_then_the_rule_sets_the_scale():
     trail = run(policy, state(15.0, calibrated=False),
                 [OVERFLOW, clean(-9.0), clean(measured=False)])
     assert field(trail, "log2_scale") == [-24, -9, -9]
-    assert trail[0]["log2_ceiling"] == 127  # a guess that failed caps nothing
+    # The failed guess bounds the search for a visible gradient only: the
+    # clean measurement's scale is the rule's, and the cap is lifted.
+    assert trail[0]["log2_ceiling"] == 14
+    assert trail[1]["log2_ceiling"] == 24
     assert field(trail, "steps_to_measure") == [0, 99, 98]
     far = run(policy, state(-10.0, calibrated=False), [OVERFLOW])
     assert far[0]["log2_scale"] == -32  # not below min_scale
+
+
+def test_a_blind_search_stops_below_an_overflow_then_halves():
+    """Before calibration, all-zero measurements rise 8 binades at a time,
+    never past one binade below the guess that overflowed; an overflow
+    there halves (the search already saw nothing below)."""
+    policy = sp.AdaptiveScaling(100, 1, -32.0, 24.0)
+    unseen = clean(seen=False)
+    trail = run(policy, state(15.0, calibrated=False),
+                [OVERFLOW] + [unseen] * 5 + [OVERFLOW, unseen])
+    assert field(trail, "log2_scale") == [-24, -16, -8, 0, 8, 14, 13, 13]
+    assert field(trail, "log2_ceiling") == [14, 14, 14, 14, 14, 14, 13, 13]
+    s0 = state(15.0, calibrated=False)
+    assert bool(policy.blind(s0, True, False))
+    assert not bool(policy.blind(s0, True, True))  # seen: the rule decides
+    assert not bool(policy.blind(s0._replace(log2_ceiling=15.0), True, False))
+    assert not bool(sp.DynamicScaling(100, 2000, 1, -16.0, 24.0).blind(s0, True, False))
 
 
 def test_adaptive_overflow_halves_caps_and_clean_measurements_lift_the_cap():

@@ -26,6 +26,8 @@ UNSEEN_STEP = 8.0
 # binades lower, and anything up to 2**39 times larger no longer overflows,
 # so the next step measures it.
 CALIBRATION_DROP = 39.0
+# The exponent of "no cap" (the optimizer's NO_CAP, 2**127).
+NO_CAP_EXPONENT = 127.0
 
 
 class ScaleState(NamedTuple):
@@ -273,23 +275,30 @@ class AdaptiveScaling(Policy):
         """Before calibration, a measured step whose gradients all
         underflowed (all zero) while the scale can still rise changes no
         weight, yet would count as a step (Adam's moments, schedules): it is
-        skipped, and the scale rises `UNSEEN_STEP` binades."""
+        skipped, and the scale rises `UNSEEN_STEP` binades, up to one binade
+        below the lowest scale that overflowed (so a model whose gradients
+        float16 cannot hold at any scale stops searching)."""
+        top = ops.minimum(state.log2_ceiling, self.log2_max)
         return ops.logical_and(
             ops.logical_and(measured, ops.logical_not(seen)),
-            ops.logical_and(
-                ops.logical_not(state.calibrated), state.log2_scale < self.log2_max
-            ),
+            ops.logical_and(ops.logical_not(state.calibrated), state.log2_scale < top),
         )
 
     def next_state(self, state, obs):
         overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
         clean = ops.logical_and(obs.finite, obs.measured)
+        # Before calibration the cap only bounds the search (below).
         scale, ceiling = adaptive_update(
-            state.log2_scale, state.log2_ceiling, obs.proposed,
-            ops.logical_and(clean, obs.seen),
+            state.log2_scale,
+            ops.where(state.calibrated, state.log2_ceiling, NO_CAP_EXPONENT),
+            obs.proposed, ops.logical_and(clean, obs.seen),
             self.log2_min, self.log2_max, self.max_rise,
         )
-        # Before calibration, a measurement of nothing but zeros: look higher.
+        ceiling = ops.where(
+            ops.logical_and(clean, obs.seen), ceiling, state.log2_ceiling
+        )
+        # Before calibration, a measurement of nothing but zeros: look higher,
+        # never as high as a scale that overflowed.
         blind = ops.logical_and(
             ops.logical_and(clean, ops.logical_not(obs.seen)),
             ops.logical_not(state.calibrated),
@@ -304,12 +313,19 @@ class AdaptiveScaling(Policy):
         backoffs = ops.maximum(streak // self.hysteresis, 1)
         step = ops.cast(ops.left_shift(1, ops.minimum(backoffs - 1, 5)), "float32")
         halved = ops.maximum(scale - step, self.log2_min)
-        dropped = ops.maximum(scale - CALIBRATION_DROP, self.log2_min)
+        # A guess drops far; once a search below a known overflow has seen
+        # nothing up to it, the next overflow just halves.
+        searched = state.log2_ceiling < NO_CAP_EXPONENT
+        dropped = ops.maximum(
+            scale - ops.where(searched, 1.0, CALIBRATION_DROP), self.log2_min
+        )
         scale = ops.where(
             back_off, ops.where(state.calibrated, halved, dropped), scale
         )
         ceiling = ops.where(
-            ops.logical_and(back_off, state.calibrated), halved, ceiling
+            back_off,
+            ops.where(state.calibrated, halved, state.log2_scale - 1.0),
+            ceiling,
         )
         state = self._schedule(
             state, obs, ops.logical_or(overflow, blind),
