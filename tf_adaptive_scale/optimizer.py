@@ -52,7 +52,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
       the nonzero values below float16's smallest subnormal (2**-24), headroom
       is given up as far as needed, never past overflow. The first step is
       measured: an overflow before any clean measurement drops the scale 39
-      binades, so any loss magnitude costs at most one skipped step. Later,
+      binades, so any loss magnitude costs at most one skipped step (a step
+      whose gradients then all underflowed is skipped while the scale rises
+      8 binades a step, below the overflow). Later,
       an overflow skips the step, halves the scale, caps it there and
       measures the next step (consecutive back-offs step 1, 2, 4, ...
       binades); each clean measurement lifts the cap a binade.
