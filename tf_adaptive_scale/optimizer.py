@@ -916,7 +916,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                     ),
                 )
             )
-        if regular:
             branching.cond(
                 measure,
                 lambda: self._measure(regular_grads, rows, *replica_measurement),
