@@ -47,6 +47,7 @@ import numpy as np
 from keras import ops
 
 from tf_adaptive_scale import backends
+from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -57,8 +58,6 @@ CONVERSION_OVERFLOW = PRODUCED_NON_FINITE + 1
 RECEIVED_NON_FINITE = CONVERSION_OVERFLOW + 1
 WIDE_OUTPUT_MAX = RECEIVED_NON_FINITE + 1
 NUM_COLUMNS = WIDE_OUTPUT_MAX + 1
-
-NO_CAP = 127.0
 
 # Unit 0 is the loss: gradients reach the model outputs in float32 at scale 1.
 LOSS_UNIT = 0
@@ -125,7 +124,7 @@ class ScaleTable(keras.layers.Layer):
         # check every model variable is.
         self.log2_ceilings = self.add_weight(
             shape=(units,),
-            initializer=keras.initializers.Constant(NO_CAP),
+            initializer=keras.initializers.Constant(float16.NO_CAP_EXPONENT),
             trainable=True,
             name="log2_ceilings",
         )

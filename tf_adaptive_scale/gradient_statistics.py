@@ -16,24 +16,16 @@ import keras
 import numpy as np
 from keras import ops
 
+from tf_adaptive_scale import float16
 from tf_adaptive_scale import sparse_gradients as sparse
-
-# Exponent bins: bin `i` counts values with floor(log2|g|) == i + EXPONENT_MIN;
-# values outside the range land in the first or last bin. The range covers
-# unscaled gradients from 2**-88 (float16's smallest subnormal at a per-layer
-# scale of 2**64) up to 2**39.
-EXPONENT_MIN = -88
-NUM_BINS = 128
+from tf_adaptive_scale.float16 import EXPONENT_MIN
+from tf_adaptive_scale.float16 import NUM_BINS
 
 _ZERO_BIN = NUM_BINS
 _NON_FINITE_BIN = NUM_BINS + 1
 _BINS_WITH_EXTRAS = NUM_BINS + 2
 # Tensors of fewer values share one segment sum (see `grouped_statistics`).
 _SMALL = 1 << 14
-
-FLOAT16_MAX = 65504.0
-# floor(log2(x)) < -24  <=>  x < 2**-24, float16's smallest subnormal.
-FLOAT16_SUBNORMAL_EXPONENT = -24
 
 
 def pow2(exponent):
@@ -251,7 +243,7 @@ def underflow_fraction(histogram, log2_scale, zeros=0.0):
         The fraction of the values that underflow float16, shape `(...)`
         (0 where there are none).
     """
-    below = _count_below(histogram, FLOAT16_SUBNORMAL_EXPONENT - log2_scale)
+    below = _count_below(histogram, float16.SUBNORMAL_EXPONENT - log2_scale)
     total = ops.sum(histogram, axis=-1) + zeros
     return ops.where(total > 0, (below + zeros) / ops.maximum(total, 1.0), 0.0)
 
@@ -278,9 +270,9 @@ def scale_bounds(histogram, max_abs, underflow_rate):
     # Exponents e with count(exponent < e) within the budget form a prefix;
     # the largest such e is the lowest exponent that may stay representable.
     lowest_kept = ops.sum(allowed, axis=-1) - 1.0 + EXPONENT_MIN
-    low = FLOAT16_SUBNORMAL_EXPONENT - lowest_kept
+    low = float16.SUBNORMAL_EXPONENT - lowest_kept
     safe_max = ops.where(max_abs > 0, max_abs, 1.0)
-    high = ops.floor(ops.log2(FLOAT16_MAX / safe_max))
+    high = ops.floor(ops.log2(float16.MAX / safe_max))
     return low, high
 
 
@@ -318,7 +310,6 @@ def _count_below(histogram, exponent):
 __all__ = [
     "EXPONENT_MIN",
     "NUM_BINS",
-    "FLOAT16_MAX",
     "pow2",
     "exponent_histogram",
     "grouped_statistics",

@@ -5,6 +5,7 @@ pure functions of tensors, and `TableStep`, which gathers them into the
 
 from keras import ops
 
+from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as boundary
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import scale_policy
@@ -98,7 +99,7 @@ def mostly_underflowed(statistics, log2_scales):
         `(units,)` bool, False where nothing was seen.
     """
     histogram = statistics[:, : stats.NUM_BINS]
-    floor = stats.FLOAT16_SUBNORMAL_EXPONENT - log2_scales - stats.EXPONENT_MIN
+    floor = float16.SUBNORMAL_EXPONENT - log2_scales - stats.EXPONENT_MIN
     floor = ops.cast(ops.clip(floor, 0, stats.NUM_BINS - 1), "int32")
     at_floor = ops.take_along_axis(histogram, floor[:, None], axis=1)[:, 0]
     return (at_floor > 0) & (at_floor >= ops.max(histogram, axis=-1))
@@ -219,7 +220,7 @@ class TableStep:
         )
         self.table.log2_scales.assign(_keep_loss_unit(new.log2_scale))
         self.table.log2_ceilings.assign(
-            _keep_loss_unit(new.log2_ceiling, boundary.NO_CAP)
+            _keep_loss_unit(new.log2_ceiling, float16.NO_CAP_EXPONENT)
         )
         return new
 

@@ -18,13 +18,11 @@ import keras
 import numpy as np
 
 from tf_adaptive_scale import backends
+from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
 JSON_LINES_FILE = "scale_monitor.jsonl"
-# float16: values below 2**-24 underflow to zero, from 2**16 they overflow.
-FLOAT16_UNDERFLOW_EXPONENT = stats.FLOAT16_SUBNORMAL_EXPONENT
-FLOAT16_OVERFLOW_EXPONENT = 16
 
 
 def float16_fractions(histogram, log2_scale):
@@ -43,8 +41,8 @@ def float16_fractions(histogram, log2_scale):
     if total == 0:
         return 0.0, 0.0
     exponents = np.arange(histogram.size) + stats.EXPONENT_MIN + log2_scale
-    under = histogram[exponents < FLOAT16_UNDERFLOW_EXPONENT].sum() / total
-    over = histogram[exponents >= FLOAT16_OVERFLOW_EXPONENT].sum() / total
+    under = histogram[exponents < float16.SUBNORMAL_EXPONENT].sum() / total
+    over = histogram[exponents >= float16.OVERFLOW_EXPONENT].sum() / total
     return float(under), float(over)
 
 

@@ -10,6 +10,7 @@ from keras import ops
 from tf_adaptive_scale import backends
 from tf_adaptive_scale import branching
 from tf_adaptive_scale import clipping
+from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import gradient_window
@@ -19,13 +20,8 @@ from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import validation
 
 SCALING_MODES = ("adaptive", "dynamic", "static", "none", "per_layer")
-# Default `max_scale`: global scales multiply the loss, which 2**24 keeps
-# well inside float32; per-layer scales reach gradients far below the loss,
-# down to the histogram's floor (2**-24 / 2**64 = 2**EXPONENT_MIN).
-GLOBAL_MAX_SCALE = 2.0**24
-PER_LAYER_MAX_SCALE = 2.0**(stats.FLOAT16_SUBNORMAL_EXPONENT - stats.EXPONENT_MIN)
-# A cap above every allowed scale: no cap.
-NO_CAP = 2.0**127
+GLOBAL_MAX_SCALE = 2.0**float16.GLOBAL_MAX_EXPONENT
+PER_LAYER_MAX_SCALE = 2.0**float16.PER_LAYER_MAX_EXPONENT
 
 
 class SkippedStepsError(RuntimeError):
@@ -389,7 +385,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         # restore into this one.
         self.step_counter = self._state("step_counter", 0, dtype=backends.COUNTER_DTYPE)
         self.overflow_streak = self._state("overflow_streak", 0, dtype="int32")
-        self.scale_ceiling = self._state("scale_ceiling", NO_CAP)
+        self.scale_ceiling = self._state("scale_ceiling", 2.0**float16.NO_CAP_EXPONENT)
         self.steps_to_measure = self._state("steps_to_measure", 0, dtype="int32")
         self.calibrated = self._state("calibrated", False, dtype="bool")
         self.total_steps = self._state("total_steps", 0, dtype=backends.COUNTER_DTYPE)

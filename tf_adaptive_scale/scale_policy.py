@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 from keras import ops
 
+from tf_adaptive_scale import float16
+
 # Binades a scale rises when a measurement saw no nonzero gradient at all
 # (everything may have underflowed).
 UNSEEN_STEP = 8.0
@@ -26,8 +28,6 @@ UNSEEN_STEP = 8.0
 # binades lower, and anything up to 2**39 times larger no longer overflows,
 # so the next step measures it.
 CALIBRATION_DROP = 39.0
-# The exponent of "no cap" (the optimizer's NO_CAP, 2**127).
-NO_CAP_EXPONENT = 127.0
 
 
 class ScaleState(NamedTuple):
@@ -290,7 +290,7 @@ class AdaptiveScaling(Policy):
         # Before calibration the cap only bounds the search (below).
         scale, ceiling = adaptive_update(
             state.log2_scale,
-            ops.where(state.calibrated, state.log2_ceiling, NO_CAP_EXPONENT),
+            ops.where(state.calibrated, state.log2_ceiling, float16.NO_CAP_EXPONENT),
             obs.proposed, ops.logical_and(clean, obs.seen),
             self.log2_min, self.log2_max, self.max_rise,
         )
@@ -315,7 +315,7 @@ class AdaptiveScaling(Policy):
         halved = ops.maximum(scale - step, self.log2_min)
         # A guess drops far; once a search below a known overflow has seen
         # nothing up to it, the next overflow just halves.
-        searched = state.log2_ceiling < NO_CAP_EXPONENT
+        searched = state.log2_ceiling < float16.NO_CAP_EXPONENT
         dropped = ops.maximum(
             scale - ops.where(searched, 1.0, CALIBRATION_DROP), self.log2_min
         )
