@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 # TensorFlow-specific, imported on first use: on JAX, TensorFlow is never
 # imported.
-_TENSORFLOW_ONLY = {"TrainStep", "make_train_step"}
+_TENSORFLOW_ONLY = {"make_train_step"}
 
 
 def __getattr__(name):
@@ -50,7 +50,6 @@ __all__ = [
     "ScaleMonitor",
     "ScaleTable",
     "SkippedStepsError",
-    "TrainStep",
     "instrument",
     "make_train_step",
     "plot_report",

@@ -11,9 +11,9 @@ applies the same transformation to its own, equal, copy of the sum, and the
 inner optimizer updates each replica's weights from it without reducing again.
 """
 
-import contextlib
-
 import tensorflow as tf
+
+from tf_adaptive_scale import keras_internals
 
 
 def run_step(
@@ -41,70 +41,80 @@ def run_step(
     Returns:
         None.
     """
+    context = _replica_context()
+    # The default strategy only: under any other, even with one replica, the
+    # inner optimizer's apply makes a merge_call, which cannot run inside
+    # the step's conditionals: it goes the cross-replica way below.
+    if context.num_replicas_in_sync == 1 and not tf.distribute.has_strategy():
+        step_fn(
+            grads + [t for t, _ in statistics],
+            lambda applied, _: inner_optimizer.apply(applied, variables),
+        )
+        return
+    if replica_statistics is not None:
+        statistics = [*statistics, replica_statistics()]
+    summed, gathered = _all_reduce(context, grads, statistics)
+    context.merge_call(
+        _step_once(step_fn, inner_optimizer, variables), args=(summed, gathered)
+    )
+
+
+def _replica_context():
+    """The replica context `apply` runs in; refuses cross-replica context."""
     context = tf.distribute.get_replica_context()
     if context is None:
         raise ValueError(
             "`apply()` must be called in a replica context, e.g. inside "
             "`strategy.run`, not in cross-replica context."
         )
-    replicas = context.num_replicas_in_sync
-    # The default strategy only: under any other, even with one replica, the
-    # inner optimizer's apply makes a merge_call, which cannot run inside
-    # the step's conditionals: it goes the cross-replica way below.
-    if replicas == 1 and not tf.distribute.has_strategy():
-        step_fn(
-            grads + [t for t, _ in statistics],
-            lambda applied, _: inner_optimizer.apply(applied, variables),
-        )
-        return
+    return context
 
-    if replica_statistics is not None:
-        statistics = [*statistics, replica_statistics()]
-    # Gathered by the same all-reduce as the gradients: each replica sends
-    # its statistics in its own row of zeros. One collective kind, one call,
-    # a few kilobytes more.
+
+def _all_reduce(context, grads, statistics):
+    """`(summed, gathered)`: the gradients summed over the replicas, and
+    each statistic gathered from every replica and `combine`d.
+
+    Gathered by the same all-reduce as the gradients: each replica sends
+    its statistics in its own row of zeros. One collective kind, one call,
+    a few kilobytes more.
+    """
+    replicas = context.num_replicas_in_sync
     rows = tf.one_hot(context.replica_id_in_sync_group, replicas)
     placed = [
         tf.reshape(rows, (replicas,) + (1,) * t.shape.rank) * t[None]
         for t, _ in statistics
     ]
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + placed)
-    summed, gathered = summed[: len(grads)], [
+    gathered = [
         combine(t) for t, (_, combine) in zip(summed[len(grads) :], statistics)
     ]
+    return summed[: len(grads)], gathered
+
+
+def _step_once(step_fn, inner_optimizer, variables):
+    """The `merge_call` function: `step_fn` decides once, in cross-replica
+    context, on replica 0's copy of the sums (equal on every replica)."""
 
     def cross_replica(strategy, summed, gathered):
         local = [
             strategy.experimental_local_results(g)[0] for g in summed + gathered
         ]
+        step_fn(
+            local,
+            lambda applied, transform: _apply_on_every_replica(
+                strategy, inner_optimizer, variables, summed, transform
+            ),
+        )
 
-        def apply_on_every_replica(applied, transform):
-            def apply_replica(summed):
-                inner_optimizer.apply(transform(summed[: len(variables)]), variables)
-
-            # Replicas run in threads of their own: switch around them all.
-            with _already_summed(inner_optimizer):
-                strategy.extended.call_for_each_replica(
-                    apply_replica, args=(summed,)
-                )
-
-        step_fn(local, apply_on_every_replica)
-
-    context.merge_call(cross_replica, args=(summed, gathered))
+    return cross_replica
 
 
-@contextlib.contextmanager
-def _already_summed(optimizer):
-    """The optimizer updates each replica's weights from that replica's
-    gradients as they are, without all-reducing them again.
+def _apply_on_every_replica(strategy, inner_optimizer, variables, summed, transform):
+    """Each replica applies `transform` of its own copy of the sums."""
 
-    Keras has no public switch for this: its TensorFlow optimizers all-reduce
-    in `_all_reduce_sum_gradients` (keras/src/backend/tensorflow/optimizer.py),
-    replaced here on the instance, while the step is traced.
-    """
-    # Plain attribute access: Keras tracks what is set on an optimizer.
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
-    try:
-        yield
-    finally:
-        object.__delattr__(optimizer, "_all_reduce_sum_gradients")
+    def apply_replica(summed):
+        inner_optimizer.apply(transform(summed[: len(variables)]), variables)
+
+    # Replicas run in threads of their own: switch around them all.
+    with keras_internals.gradients_already_summed(inner_optimizer):
+        strategy.extended.call_for_each_replica(apply_replica, args=(summed,))

@@ -124,10 +124,33 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     # exponents and peak are counted; its squared norm is of its rows summed.
     flat = [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
     summed = [ops.reshape(sparse.values(sparse.summed(t)), (-1,)) for t in tensors]
-    # Counts: a segment sum per large tensor, one over all small ones
-    # concatenated. One over everything made the compiled step slower (7x
-    # on an MLP's 1.5M gradient values), one per tensor made its program,
-    # and its compile time, grow by dozens of instructions per variable.
+    counts = _per_group(
+        ops.segment_sum, _counts_per_tensor(flat, log2_scale), groups, num_groups
+    )
+    # Peaks and sums of squares are reductions per tensor, which XLA fuses
+    # with their producers; only their few results are grouped (segment ops
+    # over all the values are scatters).
+    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
+    squares = [ops.sum(_of_finite(ops.square, f)) for f in summed]
+    # An empty group's segment max is the lowest float: no peak is 0.
+    peaks = ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
+    return GroupStatistics(
+        histograms=counts[:, :NUM_BINS],
+        max_abs=peaks * pow2(-log2_scale),
+        zeros=counts[:, _ZERO_BIN],
+        non_finite=counts[:, _NON_FINITE_BIN],
+        squares=_per_group(ops.segment_sum, squares, groups, num_groups),
+    )
+
+
+def _counts_per_tensor(flat, log2_scale):
+    """`_bin_counts` of each 1-D tensor of `flat`, a row each, in order.
+
+    A segment sum per large tensor, one over all small ones concatenated.
+    One over everything made the compiled step slower (7x on an MLP's 1.5M
+    gradient values), one per tensor made its program, and its compile
+    time, grow by dozens of instructions per variable.
+    """
     small = [i for i, f in enumerate(flat) if (f.shape[0] or _SMALL) < _SMALL]
     rows = {}
     if small:
@@ -142,37 +165,26 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     for i, f in enumerate(flat):
         if i not in rows:
             rows[i] = _bin_counts(f, 0, 1, log2_scale)[0]
-    # Peaks and sums of squares are reductions per tensor, which XLA fuses
-    # with their producers; only their few results are grouped (segment ops
-    # over all the values are scatters).
-    peaks, squares = [], []
-    for f, rows_summed in zip(flat, summed):
-        f = ops.cast(f, "float32")
-        peaks.append(ops.max(ops.where(ops.isfinite(f), ops.abs(f), 0.0)))
-        f = ops.cast(rows_summed, "float32")
-        squares.append(ops.sum(ops.where(ops.isfinite(f), ops.square(f), 0.0)))
+    return [rows[i] for i in range(len(flat))]
 
-    def per_group(segment_reduce, each):
-        each = ops.stack(each)
-        if num_groups == 1:
-            reduce = ops.max if segment_reduce is ops.segment_max else ops.sum
-            return ops.expand_dims(reduce(each, axis=0), 0)
-        if list(groups) == list(range(num_groups)):
-            return each
-        return segment_reduce(
-            each, np.asarray(groups, "int32"), num_segments=num_groups
-        )
 
-    counts = per_group(ops.segment_sum, [rows[i] for i in range(len(flat))])
-    # An empty group's segment max is the lowest float: no peak is 0.
-    peaks = ops.maximum(per_group(ops.segment_max, peaks), 0.0)
-    return GroupStatistics(
-        histograms=counts[:, :NUM_BINS],
-        max_abs=peaks * pow2(-log2_scale),
-        zeros=counts[:, _ZERO_BIN],
-        non_finite=counts[:, _NON_FINITE_BIN],
-        squares=per_group(ops.segment_sum, squares),
-    )
+def _of_finite(fn, values):
+    """`fn(values)` in float32 (where a float16 square can overflow), zero
+    where a value is not finite."""
+    values = ops.cast(values, "float32")
+    return ops.where(ops.isfinite(values), fn(values), 0.0)
+
+
+def _per_group(segment_reduce, each, groups, num_groups):
+    """`segment_reduce` (`ops.segment_sum` or `ops.segment_max`) of the
+    per-tensor results `each` by group, as `(num_groups, ...)`."""
+    each = ops.stack(each)
+    if num_groups == 1:
+        reduce = ops.max if segment_reduce is ops.segment_max else ops.sum
+        return ops.expand_dims(reduce(each, axis=0), 0)
+    if list(groups) == list(range(num_groups)):
+        return each
+    return segment_reduce(each, np.asarray(groups, "int32"), num_segments=num_groups)
 
 
 def _bin_counts(values, owner, rows, log2_scale):
@@ -334,3 +346,21 @@ def combine_measurements(measurements):
     return ops.concatenate(
         [ops.sum(measurements[:, :-1], axis=0), ops.max(measurements[:, -1:], axis=0)]
     )
+
+
+def unscale(grads, log2_divisors):
+    """`grads` with those at the indices of `log2_divisors` divided by their
+    power of two, exactly (a sparse gradient's stored values).
+
+    Args:
+        grads: A list of gradients.
+        log2_divisors: `{index: integer-valued exponent}`.
+
+    Returns:
+        The new list.
+    """
+    unscaled = list(grads)
+    for i, log2_divisor in log2_divisors.items():
+        factor = pow2(-log2_divisor)
+        unscaled[i] = sparse.map_values(lambda g: times(g, factor), grads[i])
+    return unscaled

@@ -54,6 +54,28 @@ def instrument(model, initial_scale=1.0):
     ...     keras.optimizers.Adam(), scaling="per_layer"), loss="mse")
     """
     initial_scale = validation.power_of_two("initial_scale", initial_scale)
+    _check_instrumentable(model)
+    # A Sequential model's `input` is undefined until it is called.
+    structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    input_names = [x.name for x in keras.tree.flatten(structure)]
+    inlined, groups = _plan(model, input_names)
+    inputs = keras.tree.map_structure(
+        lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
+        structure,
+    )
+    table = _scale_table(groups, input_names, initial_scale)
+    outputs = _InstrumentedGraph(table, inputs, inlined, groups).outputs(model)
+    return InstrumentedModel(
+        inputs,
+        outputs,
+        name=f"{model.name}_instrumented",
+        output_names=getattr(model, "output_names", None),
+        unit_members=_unit_members(groups) or None,
+    )
+
+
+def _check_instrumentable(model):
+    """Refuses a model whose layer graph cannot be followed."""
     if not isinstance(model, keras.Model) or not _is_graph(model):
         raise TypeError(
             "`model` must be a built Sequential or Functional keras.Model: "
@@ -68,46 +90,75 @@ def instrument(model, initial_scale=1.0):
             "keras.Input) before it can be instrumented. Received the "
             f"unbuilt model '{model.name}'."
         )
-    # A Sequential model's `input` is undefined until it is called.
-    structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
-    input_names = [x.name for x in keras.tree.flatten(structure)]
-    inlined, groups = _plan(model, input_names)
-    unit_of = {}
-    for unit, group in enumerate(groups, start=1):
-        for op in group:
-            unit_of[id(op)] = unit
+
+
+def _scale_table(groups, input_names, initial_scale):
+    """The `ScaleTable` of the loss unit and one unit per group, under a name
+    no unit or input has."""
     units = ["loss"] + [group[0].name for group in groups]
-    members = {
+    taken = set(units) | set(input_names)
+    name = "gradient_scales"
+    while name in taken:
+        name += "_"
+    return ScaleTable(units, initial_scale=initial_scale, name=name)
+
+
+def _unit_members(groups):
+    """`{unit name: operation names}` for the units of several operations."""
+    return {
         group[0].name: [op.name for op in group] for group in groups if len(group) > 1
     }
-    inputs = keras.tree.map_structure(
-        lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
-        structure,
-    )
-    taken = set(units) | set(input_names)
-    table_name = "gradient_scales"
-    while table_name in taken:
-        table_name += "_"
-    table = ScaleTable(units, initial_scale=initial_scale, name=table_name)
-    control, statistics = table(keras.tree.flatten(inputs)[0])
-    # Gradients leave through the inputs at scale 1, like they enter at the
-    # outputs: an instrumented model nests in any model as a plain layer.
-    producer_of = {id(x): LOSS_UNIT for x in keras.tree.flatten(inputs)}
 
-    def boundary(tensor, consumer, output_dtype=None):
-        producer = producer_of.get(id(tensor))
-        if producer is None or not _is_float(tensor):
-            return tensor  # no gradient flows
-        return GradientScale(producer, consumer, output_dtype=output_dtype)(
-            tensor, control, statistics
+
+class _InstrumentedGraph:
+    """The instrumented graph, built by calling the original's operations
+    again with a `GradientScale` boundary on each edge.
+
+    Args:
+        table: The `ScaleTable` of the units.
+        inputs: The new model inputs.
+        inlined: Ids of the nested models to inline.
+        groups: The units, as lists of operations (from `_plan`).
+    """
+
+    def __init__(self, table, inputs, inlined, groups):
+        self.inlined = inlined
+        self.unit_of = {
+            id(op): unit for unit, group in enumerate(groups, start=1) for op in group
+        }
+        self.control, self.statistics = table(keras.tree.flatten(inputs)[0])
+        self.inputs = inputs
+        # Gradients leave through the inputs at scale 1, like they enter at the
+        # outputs: an instrumented model nests in any model as a plain layer.
+        self.producer_of = {id(x): LOSS_UNIT for x in keras.tree.flatten(inputs)}
+
+    def outputs(self, model):
+        """`model`'s outputs on the new inputs, cast by their boundaries to
+        float32 (float64 stays), with the loss gradient entering at scale 1."""
+        outputs = _run(model, self.inputs, self.call)
+        return keras.tree.map_structure(
+            lambda t: self.boundary(t, LOSS_UNIT, output_dtype=_output_dtype(t)),
+            outputs,
         )
 
-    def call(op, *args, **kwargs):
-        if id(op) in inlined:
-            return _run(op, args[0], call)  # inline nested models
-        unit = unit_of[id(op)]
+    def boundary(self, tensor, consumer, output_dtype=None):
+        """`tensor` through a boundary from its producer's scale to
+        `consumer`'s; as it is where no gradient flows."""
+        producer = self.producer_of.get(id(tensor))
+        if producer is None or not _is_float(tensor):
+            return tensor
+        return GradientScale(producer, consumer, output_dtype=output_dtype)(
+            tensor, self.control, self.statistics
+        )
+
+    def call(self, op, *args, **kwargs):
+        """Calls `op` on its arguments through boundaries into its unit (an
+        inlined model: its own graph), recording its outputs' unit."""
+        if id(op) in self.inlined:
+            return _run(op, args[0], self.call)
+        unit = self.unit_of[id(op)]
         args, kwargs = keras.tree.map_structure(
-            lambda t: boundary(t, unit) if _is_tensor(t) else t,
+            lambda t: self.boundary(t, unit) if _is_tensor(t) else t,
             (args, kwargs),
         )
         try:
@@ -120,21 +171,8 @@ def instrument(model, initial_scale=1.0):
             ) from error
         for t in keras.tree.flatten(outputs):
             if _is_tensor(t):
-                producer_of[id(t)] = unit
+                self.producer_of[id(t)] = unit
         return outputs
-
-    outputs = _run(model, inputs, call)
-    outputs = keras.tree.map_structure(
-        lambda t: boundary(t, LOSS_UNIT, output_dtype=_output_dtype(t)), outputs
-    )
-    output_names = getattr(model, "output_names", None)
-    return InstrumentedModel(
-        inputs,
-        outputs,
-        name=f"{model.name}_instrumented",
-        output_names=None if output_names is None else list(output_names),
-        unit_members=members or None,
-    )
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -188,7 +226,7 @@ class InstrumentedModel(keras.Model):
         self._original_output_names = output_names
         self.unit_members = dict(unit_members or {})
         self.scale_table = tables[0]
-        arguments = _argument_variables(_nodes(self))
+        arguments = _argument_variables(_calls(self))
         # Frozen weights too: unfrozen later, their gradients carry the
         # unit's scale like any other.
         weight_units = [
@@ -276,7 +314,7 @@ class InstrumentedModel(keras.Model):
             isinstance(optimizer, AdaptiveLossScaleOptimizer)
             and optimizer.scaling is None
         ):
-            optimizer._resolve("per_layer")
+            optimizer.resolve_scaling("per_layer")
         if optimizer is not None and getattr(optimizer, "scaling", None) != "per_layer":
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
@@ -309,8 +347,8 @@ class InstrumentedModel(keras.Model):
 
 
 def _is_graph(model):
-    return isinstance(model, keras.Sequential) or hasattr(
-        model, "_run_through_graph"
+    return isinstance(model, keras.Sequential) or keras_internals.is_functional(
+        model
     )
 
 
@@ -342,25 +380,20 @@ def _operations(model):
     ]
 
 
-def _nodes(model):
-    """`(operation, node)` for every call in a Functional model's graph."""
+def _calls(model):
+    """`(operation, args, kwargs)` for every call in a Functional model's
+    graph (none for a Sequential one: its layers take what comes)."""
     if isinstance(model, keras.Sequential):
         return []
-    return [
-        (node.operation, node)
-        for nodes in model._nodes_by_depth.values()
-        for node in nodes
-        if node.operation is not None and not node.is_input
-    ]
+    return keras_internals.graph_calls(model)
 
 
-def _inlinable_call(node):
+def _inlinable_call(args, kwargs):
     """Whether a nested model's call can be replaced by its own graph.
 
     Its layers then see what its `call` would give them: the inputs, their
     masks (carried by the boundaries) and the outer `training` flag.
     """
-    args, kwargs = node.arguments.args, node.arguments.kwargs
     if len(args) != 1 or set(kwargs) - {"training", "mask"}:
         return False
     # `training=True` holds when the outer call leaves `training` unset;
@@ -370,9 +403,7 @@ def _inlinable_call(node):
     mask = kwargs.get("mask")
     if mask is None:
         return True
-    attached = keras.tree.map_structure(
-        lambda t: getattr(t, "_keras_mask", None), args[0]
-    )
+    attached = keras.tree.map_structure(keras_internals.mask_of, args[0])
     flat_masks = keras.tree.flatten(mask)
     flat_attached = keras.tree.flatten(attached)
     return len(flat_masks) == len(flat_attached) and all(
@@ -395,10 +426,23 @@ def _plan(model, input_names):
         `(inlined, groups)`: ids of the inlined models, and the units as
         lists of operations (the first names the unit), in graph order.
     """
+    graphs, refused = _nested_graphs(model)
+    inlined = {id(g) for g in graphs[1:] if id(g) not in refused}
+    inlined, ops = _without_name_clashes(model, inlined, input_names)
+    arguments = {}
+    for graph in graphs:
+        arguments.update(_argument_variables(_calls(graph)))
+    return inlined, _group_by_variables(ops, arguments)
+
+
+def _nested_graphs(model):
+    """`(graphs, refused)`: `model` and every Sequential/Functional model
+    nested in it, outermost first, and the ids of those called in a way
+    that cannot be inlined."""
     graphs, refused = [model], set()
     for graph in graphs:  # grows while it is walked
-        for op, node in _nodes(graph):
-            if _is_graph(op) and not _inlinable_call(node):
+        for op, args, kwargs in _calls(graph):
+            if _is_graph(op) and not _inlinable_call(args, kwargs):
                 refused.add(id(op))
         for op in _operations(graph):
             if isinstance(op, (ScaleTable, GradientScale)):
@@ -410,39 +454,51 @@ def _plan(model, input_names):
                 )
             if _is_graph(op) and all(op is not g for g in graphs):
                 graphs.append(op)
-    inlined = {id(g) for g in graphs[1:] if id(g) not in refused}
-    fixed = {name: None for name in input_names}  # the new inputs' names
+    return graphs, refused
+
+
+def _without_name_clashes(model, inlined, input_names):
+    """`(inlined, ops)`: `inlined` less the models whose inlining would give
+    two operations (or an operation and an input) one name, and the unit
+    operations that leaves, in graph order.
+
+    Each round keeps whole the innermost models holding a clashing name;
+    a clash no model holds (two top-level operations) is an error.
+    """
     while True:
         ops, parents = [], {}
         _collect(model, None, inlined, ops, parents)
-        by_name = {}
-        for op in ops:
-            by_name.setdefault(op.name, {})[id(op)] = op
-        clashes = [
-            name
-            for name, same in by_name.items()
-            if len(same) > 1 or name in fixed
-        ]
+        clashes = _name_clashes(ops, input_names)
         if not clashes:
-            break
+            return inlined, ops
         collapse = {
             id(parent)
-            for name in clashes
-            for key in by_name[name]
+            for keys in clashes.values()
+            for key in keys
             for parent in parents[key]
             if parent is not None
         }
         if not collapse:
             raise ValueError(
-                f"Cannot instrument `model`: the name '{clashes[0]}' names "
-                "more than one operation or input of its graph, and the "
-                "instrumented model needs unique names. Rename one of them."
+                f"Cannot instrument `model`: the name '{next(iter(clashes))}' "
+                "names more than one operation or input of its graph, and "
+                "the instrumented model needs unique names. Rename one of them."
             )
         inlined -= collapse
-    arguments = {}
-    for graph in graphs:
-        arguments.update(_argument_variables(_nodes(graph)))
-    return inlined, _group_by_variables(ops, arguments)
+
+
+def _name_clashes(ops, input_names):
+    """`{name: ids of the operations of that name}` for each name of `ops`
+    that several of them, or an input (the new inputs keep theirs), have."""
+    by_name = {}
+    for op in ops:
+        by_name.setdefault(op.name, {})[id(op)] = op
+    input_names = set(input_names)
+    return {
+        name: list(same)
+        for name, same in by_name.items()
+        if len(same) > 1 or name in input_names
+    }
 
 
 def _collect(graph, parent, inlined, ops, parents):
@@ -458,12 +514,12 @@ def _collect(graph, parent, inlined, ops, parents):
             parents[id(op)].append(parent)
 
 
-def _argument_variables(nodes):
+def _argument_variables(calls):
     """`{id(operation): [variables]}`: the variables passed to operations
     as arguments (`ops.einsum(h, embedding.embeddings)`, tied weights)."""
     found = {}
-    for op, node in nodes:
-        arguments = keras.tree.flatten((node.arguments.args, node.arguments.kwargs))
+    for op, args, kwargs in calls:
+        arguments = keras.tree.flatten((args, kwargs))
         variables = [a for a in arguments if isinstance(a, keras.Variable)]
         if variables:
             found.setdefault(id(op), []).extend(variables)
@@ -507,6 +563,4 @@ def _run(model, inputs, call):
         for layer in model.layers:
             x = call(layer, x)
         return x
-    # Functional models expose no public graph walker; this one is the one
-    # keras.models.clone_model uses.
-    return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
+    return keras_internals.run_graph(model, inputs, call)

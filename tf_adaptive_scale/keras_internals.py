@@ -1,7 +1,13 @@
 """The private Keras APIs this package reads, each where no public one serves.
 
-Kept in one place so that a Keras upgrade that moves them breaks here.
+Kept in one place so that a Keras upgrade that moves them breaks here. Each
+function says what it reads and why no public API serves.
 """
+
+import contextlib
+
+
+# Layers and models: losses.
 
 
 def own_loss_ids(layer):
@@ -24,5 +30,117 @@ def own_loss_ids(layer):
 def collected_losses(model):
     """The losses a JAX `stateless_call(..., return_losses=True)` collected
     and the trainer set on `model` for `compute_loss` (empty elsewhere):
-    they went through `model.losses` once already."""
+    they went through `model.losses` once already.
+
+    Keras keeps them in `_losses_override`, with no public accessor.
+    """
     return model._losses_override
+
+
+# Functional graphs (`instrument` rebuilds a model's graph call by call).
+
+
+def is_functional(model):
+    """Whether `model` is a Functional model (Keras's `Functional` class is
+    not exported): it has the graph walker `run_graph` uses."""
+    return hasattr(model, "_run_through_graph")
+
+
+def graph_calls(model):
+    """`(operation, args, kwargs)` for every call in a Functional model's
+    graph, its inputs excepted.
+
+    `model.operations` lists the operations but not the arguments of each
+    call (which tensors, masks, flags or variables it was passed); only the
+    graph's nodes, in `_nodes_by_depth`, hold them.
+    """
+    return [
+        (node.operation, node.arguments.args, node.arguments.kwargs)
+        for nodes in model._nodes_by_depth.values()
+        for node in nodes
+        if node.operation is not None and not node.is_input
+    ]
+
+
+def run_graph(model, inputs, call):
+    """Runs a Functional model's graph on `inputs`, making each call as
+    `call(operation, *args, **kwargs)`.
+
+    Keras has no public graph walker that hands back the output tensors;
+    `_run_through_graph` is the one `keras.models.clone_model` uses.
+    """
+    return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
+
+
+def mask_of(tensor):
+    """The mask Keras attached to a symbolic tensor (`mask_zero`, `Masking`),
+    or None.
+
+    Keras keeps it in the tensor's `_keras_mask`; its accessor
+    `get_keras_mask` is not exported.
+    """
+    return getattr(tensor, "_keras_mask", None)
+
+
+# Optimizers: the state `build` sets up.
+
+
+def built_variables(optimizer):
+    """The variables `optimizer` was built for, in order.
+
+    Keras keeps them in `_trainable_variables`; `optimizer.variables` lists
+    the optimizer's own (iterations, slots) instead.
+    """
+    return optimizer._trainable_variables
+
+
+def variable_index(optimizer, variable):
+    """The position of `variable` among those `optimizer` was built for,
+    the row of its slots and per-variable records.
+
+    Keras looks it up with `_get_variable_index`, by its own key; no public
+    method does.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """Whether `optimizer` sets `variable` to its "gradient" rather than
+    stepping it (float8 scaling factors, for instance).
+
+    The variable's public `overwrite_with_gradient` says so by default, but
+    Keras's apply asks the optimizer's `_overwrite_variable_with_gradient`,
+    which an optimizer may override: this asks the same.
+    """
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+@contextlib.contextmanager
+def gradients_already_summed(optimizer):
+    """The optimizer updates each replica's weights from that replica's
+    gradients as they are, without all-reducing them again.
+
+    Keras has no public switch for this: its TensorFlow optimizers all-reduce
+    in `_all_reduce_sum_gradients` (keras/src/backend/tensorflow/optimizer.py),
+    replaced here on the instance, while the step is traced.
+    """
+    # Plain attribute access: Keras tracks what is set on an optimizer.
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "_all_reduce_sum_gradients")
+
+
+# Backends.
+
+
+def stateless_scope():
+    """The active `keras.StatelessScope`, or None.
+
+    Keras exports the scope class but no accessor for the active one, which
+    a scope nested inside it must start from.
+    """
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()

@@ -13,13 +13,7 @@ from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
 
 def make_train_step(
-    model,
-    loss_fn,
-    optimizer,
-    *,
-    jit_compile=True,
-    accumulation_steps=1,
-    strategy=None,
+    model, loss_fn, optimizer, *, jit_compile=True, accumulation_steps=1, strategy=None
 ):
     """Builds a compiled train step for a custom loop.
 
@@ -28,52 +22,44 @@ def make_train_step(
     mode needs (globally, or not at all in per-layer mode), the gradients of
     all trainable variables (an instrumented model's `statistics` included)
     go to `optimizer.apply`, and what a monitor reads comes back as tensors
-    (no summaries inside XLA, no host synchronisation). Use it instead of
-    `model.fit` when you write your own loop: several models, an unusual
-    schedule, or gradient accumulation over micro-batches.
+    (no summaries inside XLA, no host synchronisation).
 
-    With `accumulation_steps=K`, each call takes one window of K
-    micro-batches (the batch is split along its first axis, into sizes that
-    differ by at most one when K does not divide it) and runs them one after
-    the other, so only one micro-batch's activations are held at a time.
-    The gradients are summed in float32 at the window's scale (per layer in
-    per-layer mode), each micro-batch weighted by its share of the samples,
-    then checked once, applied or skipped once, and the scale is updated
-    once: an overflow in any micro-batch skips the window. The result equals
-    one step on the whole batch (for a loss that averages over the samples,
-    as Keras's default `"sum_over_batch_size"` reduction does).
-
-    An empty batch (the last one of a dataset, say) is skipped: no weight or
-    optimizer slot changes, and it is counted in `skipped_steps`.
+    With `accumulation_steps=K`, each call runs one window of K micro-batches
+    (the batch split along its first axis, into sizes that differ by at most
+    one) one after the other, holding one micro-batch's activations at a
+    time. Their gradients are summed in float32 at the window's scale (per
+    layer in per-layer mode), each weighted by its share of the samples, then
+    checked, applied or skipped, and the scale updated, once: an overflow in
+    any micro-batch skips the window. The result equals one step on the whole
+    batch (for a loss that averages over the samples, as Keras's default
+    `"sum_over_batch_size"` does). An empty batch (a dataset's last, say) is
+    skipped: no weight or optimizer slot changes; `skipped_steps` counts it.
 
     Args:
         model: A built Keras model, plain or made by `tas.instrument`.
         loss_fn: A Keras loss (name, function or `keras.losses.Loss`),
             called as `loss_fn(y_true, y_pred, sample_weight)` and reduced
-            over the batch. As with Keras's `compile(loss=...)`, a model with
-            several outputs gets the loss applied to each output and the
-            results summed: `y` (and `sample_weight`, unless one applies to
-            every output) is then a list or tuple in the order of the
-            outputs, or a dict keyed by output name.
+            over the batch. For several outputs, as in `compile(loss=...)`,
+            it is applied to each and the results summed: `y` (and
+            `sample_weight`, unless one serves every output) is then a list
+            or tuple in output order, or a dict keyed by output name.
         optimizer: A `tas.AdaptiveLossScaleOptimizer`, or a Keras optimizer,
             which is wrapped in one with its defaults.
-        jit_compile: Whether to compile the step with XLA. Under a strategy
-            of several replicas, the forward and backward passes are
-            compiled, and the optimizer's cross-replica step is not.
-        accumulation_steps: Micro-batches per window (an int >= 1), any
-            batch size.
+        jit_compile: Whether to compile the step with XLA (under a strategy,
+            the forward and backward passes, not the cross-replica step).
+        accumulation_steps: Micro-batches per window (an int >= 1).
         strategy: Optional `tf.distribute.Strategy`; by default the one in
             scope. Create the model inside its scope. The step takes the
             global batch, as plain tensors (split evenly over the replicas)
             or as an element of `strategy.experimental_distribute_dataset`.
 
     Returns:
-        A `TrainStep`: `step(x, y, sample_weight=None)` returns a dict of
-        tensors: `loss` (the window's mean), `loss_scale`, `skipped_steps`,
+        `step(x, y, sample_weight=None)`, which returns a dict of tensors:
+        `loss` (the window's mean), `loss_scale`, `skipped_steps`,
         `consecutive_skips`, `step_finite`, `measured` (whether this step
         measured the gradients), `gradient_norm` and `underflow_fraction`
         (from the last measurement) and, for an instrumented model,
-        `layer_log2_scales`.
+        `layer_log2_scales`. `step.tracing_count()` counts its traces.
 
     Example:
 
@@ -81,35 +67,14 @@ def make_train_step(
     >>> for x, y in dataset:
     ...     logs = step(x, y)
     """
-    return TrainStep(
-        model,
-        loss_fn,
-        optimizer,
-        jit_compile=jit_compile,
-        accumulation_steps=accumulation_steps,
-        strategy=strategy,
+    return _TrainStep(
+        model, loss_fn, optimizer, jit_compile=jit_compile,
+        accumulation_steps=accumulation_steps, strategy=strategy,
     )
 
 
-class TrainStep:
-    """A compiled train step; see `make_train_step`.
-
-    Args:
-        model: A built Keras model.
-        loss_fn: A Keras loss.
-        optimizer: A `tas.AdaptiveLossScaleOptimizer` or Keras optimizer.
-        jit_compile: Whether to compile with XLA.
-        accumulation_steps: Micro-batches per window.
-        strategy: Optional `tf.distribute.Strategy`.
-
-    Returns:
-        A callable `step(x, y, sample_weight=None) -> dict`.
-
-    Example:
-
-    >>> step = tas.TrainStep(model, "mse", optimizer)
-    >>> logs = step(x, y)
-    """
+class _TrainStep:
+    """The step `make_train_step` builds (its arguments are explained there)."""
 
     def __init__(
         self,
@@ -121,34 +86,8 @@ class TrainStep:
         accumulation_steps=1,
         strategy=None,
     ):
-        if not isinstance(model, keras.Model) or not model.built:
-            raise ValueError(
-                "`model` must be a built Keras model (give it an Input, or "
-                f"call it once). Received: {model!r}"
-            )
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                "`optimizer` must be a tas.AdaptiveLossScaleOptimizer or a "
-                f"Keras optimizer. Received: {optimizer!r}"
-            )
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not (
-            isinstance(optimizer, AdaptiveLossScaleOptimizer)
-        ):
-            raise TypeError(
-                "`optimizer` is a stock keras LossScaleOptimizer: pass its "
-                "inner optimizer, or a tas.AdaptiveLossScaleOptimizer."
-            )
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        if inner.gradient_accumulation_steps or (
-            getattr(optimizer, "accumulation_steps", 1) > 1
-        ):
-            raise ValueError(
-                "The optimizer accumulates gradients itself: pass "
-                "make_train_step(..., accumulation_steps=K) instead, which "
-                "runs a window in one call (one skip decision per window)."
-            )
-        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
-            optimizer = AdaptiveLossScaleOptimizer(optimizer)
+        _check_model(model)
+        optimizer = _adaptive_optimizer(optimizer)
         if not isinstance(jit_compile, bool):
             raise TypeError(
                 f"`jit_compile` must be True or False. Received: {jit_compile!r}"
@@ -172,13 +111,20 @@ class TrainStep:
         self._tables = [
             v.scale_table for v in model.trainable_variables if hasattr(v, "scale_table")
         ]
+        self._gradient_fn, self._function = self._compile(jit_compile)
+
+    def _compile(self, jit_compile):
+        """`(gradient_fn, step_fn)`: what computes a window's gradients, and
+        the traced step `__call__` runs."""
         if not self._distributed:
-            self._gradient_fn = self._gradients
-            self._function = tf.function(self._replica_step, jit_compile=jit_compile)
-        else:
-            # The optimizer's cross-replica step cannot run inside XLA.
-            self._gradient_fn = tf.function(self._gradients, jit_compile=jit_compile)
-            self._function = tf.function(self._distributed_step)
+            return self._gradients, tf.function(
+                self._replica_step, jit_compile=jit_compile
+            )
+        # The optimizer's cross-replica step cannot run inside XLA.
+        return (
+            tf.function(self._gradients, jit_compile=jit_compile),
+            tf.function(self._distributed_step),
+        )
 
     def __call__(self, x, y, sample_weight=None):
         if self._distributed:
@@ -360,6 +306,44 @@ def _micro_batches(tensor, start, count, length, static):
 def _batch_size(x):
     """The first axis of the inputs: an int, or a tensor if not static."""
     return ops.shape(keras.tree.flatten(x)[0])[0]
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model) or not model.built:
+        raise ValueError(
+            "`model` must be a built Keras model (give it an Input, or "
+            f"call it once). Received: {model!r}"
+        )
+
+
+def _adaptive_optimizer(optimizer):
+    """`optimizer` as a `tas.AdaptiveLossScaleOptimizer` (a Keras optimizer
+    wrapped with the defaults); refuses one that scales or accumulates
+    itself, which the step would do twice."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a tas.AdaptiveLossScaleOptimizer or a "
+            f"Keras optimizer. Received: {optimizer!r}"
+        )
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not (
+        isinstance(optimizer, AdaptiveLossScaleOptimizer)
+    ):
+        raise TypeError(
+            "`optimizer` is a stock keras LossScaleOptimizer: pass its "
+            "inner optimizer, or a tas.AdaptiveLossScaleOptimizer."
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if inner.gradient_accumulation_steps or (
+        getattr(optimizer, "accumulation_steps", 1) > 1
+    ):
+        raise ValueError(
+            "The optimizer accumulates gradients itself: pass "
+            "make_train_step(..., accumulation_steps=K) instead, which "
+            "runs a window in one call (one skip decision per window)."
+        )
+    if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+        optimizer = AdaptiveLossScaleOptimizer(optimizer)
+    return optimizer
 
 
 def _per_output(value, names, outputs, what):
