@@ -12,7 +12,7 @@ from tf_adaptive_scale.instrument import InstrumentedModel
 from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
-from tf_adaptive_scale.optimizer import SkippedStepsError
+from tf_adaptive_scale.measurement import SkippedStepsError
 
 __version__ = "0.1.0"
 

@@ -71,3 +71,16 @@ else:
     def has_strategy():
         """No `tf.distribute` off TensorFlow."""
         return False
+
+
+def already_unscaled(grads):
+    """Whether `grads` (dense values) came from `get_unscaled_gradients`:
+    all or none may."""
+    marks = unscaled_marks(grads)
+    if any(marks) and not all(marks):
+        raise ValueError(
+            "Some gradients passed to apply() come from "
+            "get_unscaled_gradients() and some do not: pass all the "
+            "gradients of a step through it, or none."
+        )
+    return all(marks)

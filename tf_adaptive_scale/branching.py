@@ -12,6 +12,8 @@ scope.
 import keras
 from keras import ops
 
+from tf_adaptive_scale import keras_internals
+
 
 def cond(pred, true_fn, false_fn):
     """Runs `true_fn()` where `pred` holds, else `false_fn()`.
@@ -114,8 +116,5 @@ class _BranchScope(keras.StatelessScope):
 
 
 def _enclosing_scope():
-    # Keras has no public accessor for the active StatelessScope (only
-    # `keras.StatelessScope` itself); the branch must start from its values.
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    return get_stateless_scope()
+    # The branch must start from the active StatelessScope's values.
+    return keras_internals.stateless_scope()

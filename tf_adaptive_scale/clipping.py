@@ -1,12 +1,23 @@
-"""Gradient clipping transforms, applied to unscaled gradients.
+"""Gradient clipping of unscaled gradients: pure transforms and clippers.
 
 Each transform takes a list of gradient tensors and returns the clipped list
 and a boolean scalar telling whether it changed anything, so the optimizer can
-count how often clipping acted. AutoClip's history is a fixed-size ring buffer
-that the caller keeps in a variable; these functions only compute.
+count how often clipping acted.
+
+A clipper wraps one transform with its arguments and any state of its own
+(AutoClip's ring buffer of past norms); `clip` runs a chain of them in the
+order given, optax style. A new clipper is one `Clipper` subclass here:
+
+>>> optimizer = tas.AdaptiveLossScaleOptimizer(
+...     keras.optimizers.Adam(),
+...     clippers=[tas.clipping.AutoClip(10.0), tas.clipping.ClipByValue(1.0)])
 """
 
+import keras
 from keras import ops
+
+from tf_adaptive_scale import sparse_gradients as sparse
+from tf_adaptive_scale import validation
 
 
 def global_norm(grads):
@@ -130,6 +141,207 @@ def history_percentile(history, count, percentile):
     low = _take_last(ordered, below)
     high = _take_last(ordered, above)
     return low + (position - below) * (high - low)
+
+
+class Clipper:
+    """A clipping step of a chain.
+
+    `build` creates its state (through the optimizer's `add_state`, so that
+    it is saved with the optimizer); a call clips and returns
+    `(grads, acted, commit)`, `commit` a function writing the state on a
+    step that is applied (None: no state). Subclasses are Keras
+    serializables whose `get_config` holds their arguments.
+    """
+
+    def build(self, add_state, num_variables):
+        """Creates the clipper's state, if any.
+
+        Args:
+            add_state: `add_state(name, value, shape=(), dtype="float32")`
+                returns a new optimizer variable.
+            num_variables: How many variables the optimizer trains.
+        """
+
+    def __call__(self, grads, weights, rows):
+        """Clips dense gradients.
+
+        Args:
+            grads: float gradient tensors.
+            weights: The matching weights' values (rows, for a sparse one).
+            rows: Each gradient's variable index in the optimizer.
+
+        Returns:
+            `(clipped_grads, acted, commit)`.
+        """
+        raise NotImplementedError
+
+    def get_config(self):
+        return dict(self._arguments)
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def _keep(self, **arguments):
+        """Sets the clipper's checked arguments as attributes; they are its
+        config."""
+        self._arguments = arguments
+        self.__dict__.update(arguments)
+
+
+def _clipper(cls):
+    return keras.saving.register_keras_serializable(package="tf_adaptive_scale")(cls)
+
+
+@_clipper
+class ClipByValue(Clipper):
+    """Clips every element to `[-limit, limit]` (`clip_by_value`)."""
+
+    def __init__(self, limit):
+        self._keep(limit=validation.positive_float("limit", limit))
+
+    def __call__(self, grads, weights, rows):
+        return (*clip_by_value(grads, self.limit), None)
+
+
+
+@_clipper
+class ClipByNorm(Clipper):
+    """Clips each tensor's L2 norm to `max_norm` (`clip_by_norm`)."""
+
+    def __init__(self, max_norm):
+        self._keep(max_norm=validation.positive_float("max_norm", max_norm))
+
+    def __call__(self, grads, weights, rows):
+        return (*clip_by_norm(grads, self.max_norm), None)
+
+
+
+@_clipper
+class ClipByGlobalNorm(Clipper):
+    """Clips the norm of all tensors together to `max_norm`."""
+
+    def __init__(self, max_norm):
+        self._keep(max_norm=validation.positive_float("max_norm", max_norm))
+
+    def __call__(self, grads, weights, rows):
+        return (*clip_by_global_norm(grads, self.max_norm), None)
+
+
+
+@_clipper
+class AdaptiveGradClip(Clipper):
+    """AGC: clips a unit whose gradient norm exceeds `factor` times its
+    weight norm, at least `eps` (`adaptive_grad_clip`)."""
+
+    def __init__(self, factor, eps=1e-3):
+        self._keep(
+            factor=validation.positive_float("factor", factor),
+            eps=validation.positive_float("eps", eps),
+        )
+
+    def __call__(self, grads, weights, rows):
+        return (*adaptive_grad_clip(grads, weights, self.factor, self.eps), None)
+
+
+
+@_clipper
+class AutoClip(Clipper):
+    """AutoClip (Seetharaman et al. 2020): clips the global norm (or, with
+    `per_variable`, each variable's norm) to the `percentile` of the last
+    `window` norms, the current one included; the history only moves on
+    applied steps."""
+
+    def __init__(self, percentile, window=1000, per_variable=False):
+        percentile = validation.positive_float("percentile", percentile)
+        if percentile > 100:
+            raise ValueError(f"`percentile` must be in (0, 100]. Received: {percentile}")
+        self._keep(
+            percentile=percentile,
+            window=validation.positive_int("window", window),
+            per_variable=per_variable,
+        )
+
+    def build(self, add_state, num_variables):
+        rows = (num_variables,) if self.per_variable else ()
+        self.history = add_state("norm_history", 0.0, shape=rows + (self.window,))
+        self.count = add_state("norm_history_count", 0, dtype="int32")
+
+    def __call__(self, grads, weights, rows):
+        count = self.count.value
+        if self.per_variable:
+            norms = ops.stack([global_norm([g]) for g in grads])
+            history = ops.take(self.history.value, rows, axis=0)
+        else:
+            norms = global_norm(grads)
+            history = self.history.value
+        history = push_history(history, count, norms)
+        threshold = history_percentile(history, count + 1, self.percentile)
+        if self.per_variable:
+            grads, acted = clip_by_norm(grads, threshold)
+            history = ops.scatter_update(
+                self.history.value, [[r] for r in rows], history
+            )
+        else:
+            grads, acted = clip_by_global_norm(grads, threshold)
+
+        def commit():
+            self.history.assign(history)
+            self.count.assign_add(1)
+
+        return grads, acted, commit
+
+
+
+def check_chain(name, clippers):
+    """`clippers` as a list of `Clipper`s (serialized ones deserialized)."""
+    if not isinstance(clippers, (list, tuple)):
+        raise TypeError(f"`{name}` must be a list of clippers. Received: {clippers!r}")
+    chain = [
+        keras.saving.deserialize_keras_object(c) if isinstance(c, dict) else c
+        for c in clippers
+    ]
+    for c in chain:
+        if not isinstance(c, Clipper):
+            raise TypeError(
+                f"`{name}` must hold tas.clipping.Clipper objects (e.g. "
+                f"ClipByNorm(1.0)). Received: {c!r}"
+            )
+    return list(chain)
+
+
+def clip(chain, grads, weights, rows):
+    """Runs `chain` on possibly sparse gradients.
+
+    Clippers see a sparse gradient's rows summed per index (its norms and
+    elements are the dense gradient's) and give it back sparse.
+
+    Args:
+        chain: A list of built `Clipper`s.
+        grads: Gradients (dense or sparse).
+        weights: The matching variables.
+        rows: Each gradient's variable index in the optimizer.
+
+    Returns:
+        `(clipped_grads, acted, commit)`: `acted` whether any clipper changed
+        a gradient, `commit` writing every clipper's state.
+    """
+    summed = [sparse.summed(g) for g in grads]
+    values = [sparse.values(g) for g in summed]
+    weights = [sparse.rows_of(v, g) for g, v in zip(summed, weights)]
+    acted, commits = [], []
+    for clipper in chain:
+        values, did, commit = clipper(values, weights, rows)
+        acted.append(did)
+        commits.append(commit)
+
+    def commit_all():
+        for commit in commits:
+            if commit is not None:
+                commit()
+
+    clipped = [sparse.with_values(g, v) for g, v in zip(summed, values)]
+    return clipped, _any(acted), commit_all
 
 
 def _take_last(x, index):

@@ -8,6 +8,7 @@ replicas do: counts add up, peaks take the largest.
 
 from keras import ops
 
+from tf_adaptive_scale import branching
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 
@@ -83,6 +84,20 @@ class GradientWindow:
         self.count.assign_add(1)
         self.loss_finite.assign(ops.logical_and(self.loss_finite.value, loss_finite))
         return last
+
+    def add_and_decide(self, values, measurement, loss_finite, decide):
+        """Adds one micro-batch (see `add`); on the window's last, calls
+        `decide(contents, measurement, loss_finite)` for the whole window
+        (`contents` as the method below: each replica reads its own copy of
+        the sums) and empties the window.
+        """
+        last = self.add(values, measurement, loss_finite)
+
+        def run():
+            decide(self.contents, self.measurement.value, self.loss_finite.value)
+            self.reset()
+
+        branching.cond(last, run, lambda: None)
 
     def contents(self, index):
         """The window's mean gradient, or combined statistics, of the

@@ -94,6 +94,16 @@ def built_variables(optimizer):
     return optimizer._trainable_variables
 
 
+def own_variables(optimizer):
+    """The variables a wrapping optimizer made itself, without its inner
+    optimizer's.
+
+    Keras keeps them in `_variables`; a `LossScaleOptimizer`'s `variables`
+    adds the inner optimizer's.
+    """
+    return optimizer._variables
+
+
 def variable_index(optimizer, variable):
     """The position of `variable` among those `optimizer` was built for,
     the row of its slots and per-variable records.

@@ -258,3 +258,94 @@ class TableStep:
         )
         measure_next = scheduled_next | missed | rising | self._rose_far
         self.table.measure.assign(ops.cast(measure_next, "float32"))
+
+
+def tables_of(var_list):
+    """The instrumented models' tables among `var_list` (the optimizer's
+    variables); a weight two of them claim is refused."""
+    tables = [v.scale_table for v in var_list if hasattr(v, "scale_table")]
+    for v in var_list:
+        owners = [t for t in tables if t.unit_of(v) is not None]
+        if len(owners) > 1:
+            raise ValueError(
+                f"The weight '{v.path}' belongs to {len(owners)} "
+                "instrumented models trained in one step by this "
+                "optimizer; its gradient would sum contributions at "
+                "different per-layer scales. Instrument the model that "
+                "holds all of them once instead."
+            )
+    return tables
+
+
+def table_steps(tables, statistics, variables, regular, rule, policy):
+    """One `TableStep` per table, on the step's gradients.
+
+    Args:
+        tables: The `ScaleTable`s whose statistics this step received.
+        statistics: Their statistics, in the same order.
+        variables: The step's variables.
+        regular: Positions of the variables updated from their gradients.
+        rule: See `TableStep`.
+        policy: The `scale_policy.PerLayerScaling`.
+
+    Returns:
+        A list of `TableStep`s.
+    """
+    steps = []
+    for table, table_statistics in zip(tables, statistics):
+        units = [(i, table.unit_of(variables[i])) for i in regular]
+        members = [(i, unit) for i, unit in units if unit is not None]
+        steps.append(TableStep(table, table_statistics, members, rule, policy))
+    return steps
+
+
+def advance(steps, state, grads, finite, loss_finite, scheduled):
+    """Writes every table's next scales; the global scale stays 1.
+
+    Args:
+        steps: The step's `TableStep`s.
+        state: The optimizer's `ScaleState`.
+        grads: The step's unscaled gradients, by position.
+        finite: bool, the step's gradients were all finite.
+        loss_finite: bool, its loss was finite.
+        scheduled: bool, the optimizer meant this step to measure.
+
+    Returns:
+        The optimizer's next `ScaleState` (scalar fields).
+    """
+    for step in steps:
+        observation = step.observation(grads, finite, loss_finite)
+        new = step.advance(state, observation)
+        step.record(scheduled, ops.equal(new.steps_to_measure, 0), observation)
+    return new._replace(
+        log2_scale=ops.zeros_like(state.log2_scale), log2_ceiling=state.log2_ceiling,
+    )
+
+
+def split_tables(pairs, policy):
+    """Separates an apply's `(gradient, variable)` pairs from its
+    instrumented models' statistics, checking the mode fits them.
+
+    Args:
+        pairs: The step's `(gradient, variable)` pairs.
+        policy: The optimizer's `scale_policy.Policy` (None: not resolved).
+
+    Returns:
+        `(pairs, tables)`: the other pairs, and `(statistics, ScaleTable)`
+        pairs.
+    """
+    tables = [p for p in pairs if hasattr(p[1], "scale_table")]
+    rest = [p for p in pairs if not hasattr(p[1], "scale_table")]
+    if policy is not None and policy.per_layer and not tables:
+        raise ValueError(
+            "scaling='per_layer' needs the gradients of a model made by "
+            "tas.instrument(model), including its `statistics` variable "
+            "(pass all of model.trainable_variables)."
+        )
+    if policy is not None and not policy.per_layer and tables:
+        raise ValueError(
+            "These gradients come from an instrumented model (per-layer "
+            "scales): use AdaptiveLossScaleOptimizer(..., "
+            f"scaling='per_layer'), not scaling={policy.name!r}."
+        )
+    return rest, [(g, v.scale_table) for g, v in tables]

@@ -202,53 +202,37 @@ class ScaleMonitor(keras.callbacks.Callback):
             The report, a dict (the JSON line's content).
         """
         opt = self.optimizer
-        norms = opt.variable_gradient_norms.numpy()
-        histograms = opt.variable_gradient_histograms.numpy()
-        global_log2 = math.log2(float(opt.loss_scale.numpy()))
-        float16 = opt.scaling != "none"
-        layers = {}
-        for i, scale in enumerate(opt.gradient_scales()):
-            if scale is None:
-                continue  # an instrumented model's statistics and scales
-            name, log2_scale = scale
-            layer = layers.setdefault(
-                name, {"sq": 0.0, "histogram": np.zeros(stats.NUM_BINS), "log2_scale": log2_scale}
-            )
-            layer["sq"] += float(norms[i]) ** 2
-            layer["histogram"] = layer["histogram"] + histograms[i]
-        skipped = int(opt.skipped_steps.numpy())
-        clipped = int(opt.clipped_steps.numpy())
-        measurements = int(opt.measurements.numpy())
+        reading = opt.read()
         steps = max(step - self._last["step"], 1)
         record = {
             "step": int(step),
             "epoch": int(epoch),
             "loss": None if loss is None else float(loss),
-            "loss_scale": 2.0**global_log2,
-            "skipped_steps": skipped,
-            "skipped_since_last": skipped - self._last["skipped"],
-            "grad_norm": float(opt.gradient_norm.numpy()),
-            "clip_rate": (clipped - self._last["clipped"]) / steps,
-            "measured_step": int(opt.measured_step.numpy()),
+            "loss_scale": reading.loss_scale,
+            "skipped_steps": reading.skipped_steps,
+            "skipped_since_last": reading.skipped_steps - self._last["skipped"],
+            "grad_norm": reading.gradient_norm,
+            "clip_rate": (reading.clipped_steps - self._last["clipped"]) / steps,
+            "measured_step": reading.measured_step,
             "exponent_min": stats.EXPONENT_MIN,
             "layers": {},
         }
-        for name, layer in layers.items():
-            histogram = layer["histogram"]
+        for name, (log2_scale, norm, histogram) in reading.layers.items():
             entry = {
-                "grad_norm": math.sqrt(layer["sq"]),
-                "scale": 2.0 ** layer["log2_scale"],
+                "grad_norm": norm,
+                "scale": 2.0**log2_scale,
                 "histogram": histogram.tolist(),
             }
-            if float16:
+            if reading.in_float16:
                 entry["underflow"], entry["overflow"] = float16_fractions(
-                    histogram, layer["log2_scale"]
+                    histogram, log2_scale
                 )
             record["layers"][name] = entry
         self._check_progress(opt, record)
-        new_measurement = measurements > self._last["measurements"]
-        self._last = {"step": step, "skipped": skipped, "clipped": clipped,
-                      "measurements": measurements}
+        new_measurement = reading.measurements > self._last["measurements"]
+        self._last = {"step": step, "skipped": reading.skipped_steps,
+                      "clipped": reading.clipped_steps,
+                      "measurements": reading.measurements}
         self._diagnose(record, new_measurement)
         self.records.append(record)
         self._write(record)

@@ -14,6 +14,7 @@ Shared rules:
   counts down to the next measured step).
 """
 
+import inspect
 from typing import NamedTuple
 
 from keras import ops
@@ -84,12 +85,32 @@ class Observation(NamedTuple):
 class Policy:
     """Base policy: the scale never changes; only the schedule moves.
 
+    A mode's facts are class attributes: `name` (its `scaling` argument),
+    `scales_loss` (the loss is multiplied by a global scale; else the scale
+    stays 1), `per_layer` (scales live in an instrumented model's tables),
+    `in_float16` (the gradients come from float16: their underflow and
+    overflow are reported) and `default_log2_max` (the exponent of the default
+    `max_scale`).
+
     Args:
         update_every: Steps between two measurements.
     """
 
+    name = None
+    scales_loss = True
+    per_layer = False
+    in_float16 = True
+    default_log2_max = float16.GLOBAL_MAX_EXPONENT
+
     def __init__(self, update_every):
         self.update_every = update_every
+
+    @classmethod
+    def make(cls, **arguments):
+        """The policy from the optimizer's arguments (see `make_policy`), by
+        name: a mode takes those its constructor names."""
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in arguments.items() if k in names})
 
     def next_state(self, state, observation):
         """The state after a step.
@@ -116,6 +137,13 @@ class Policy:
             A boolean tensor.
         """
         return ops.convert_to_tensor(False)
+
+    def _bound(self, hysteresis, log2_min, log2_max):
+        """Sets what a changing scale obeys: its back-off's hysteresis and
+        its exponent's bounds."""
+        self.hysteresis = hysteresis
+        self.log2_min = log2_min
+        self.log2_max = log2_max
 
     @staticmethod
     def _overflowed(obs):
@@ -153,6 +181,10 @@ class Policy:
 class NoScaling(Policy):
     """Mode `"none"`: scale 1; non-finite steps are still skipped."""
 
+    name = "none"
+    scales_loss = False
+    in_float16 = False
+
     def next_state(self, state, observation):
         state = super().next_state(state, observation)
         return state._replace(log2_scale=ops.zeros_like(state.log2_scale))
@@ -160,6 +192,8 @@ class NoScaling(Policy):
 
 class StaticScaling(Policy):
     """Mode `"static"`: the scale stays at `initial_scale`."""
+
+    name = "static"
 
 
 class DynamicScaling(Policy):
@@ -180,12 +214,12 @@ class DynamicScaling(Policy):
     >>> policy = DynamicScaling(100, 2000, 1, -16.0, 24.0)
     """
 
+    name = "dynamic"
+
     def __init__(self, update_every, growth_steps, hysteresis, log2_min, log2_max):
         super().__init__(update_every)
         self.growth_steps = growth_steps
-        self.hysteresis = hysteresis
-        self.log2_min = log2_min
-        self.log2_max = log2_max
+        self._bound(hysteresis, log2_min, log2_max)
 
     def next_state(self, state, obs):
         overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
@@ -264,12 +298,12 @@ class AdaptiveScaling(Policy):
     >>> policy = AdaptiveScaling(100, 1, -16.0, 24.0)
     """
 
+    name = "adaptive"
+
     def __init__(self, update_every, hysteresis, log2_min, log2_max, max_rise=None):
         super().__init__(update_every)
-        self.hysteresis = hysteresis
-        self.log2_min = log2_min
-        self.log2_max = log2_max
         self.max_rise = max_rise
+        self._bound(hysteresis, log2_min, log2_max)
 
     def blind(self, state, measured, seen):
         """Before calibration, a measured step whose gradients all
@@ -372,6 +406,10 @@ class PerLayerScaling(AdaptiveScaling):
     >>> policy = PerLayerScaling(100, 1, -16.0, 64.0)
     """
 
+    name = "per_layer"
+    scales_loss = False
+    per_layer = True
+    default_log2_max = float16.PER_LAYER_MAX_EXPONENT
     WEIGHT_OVERFLOW_STEP = 4.0
 
     def next_state(self, state, obs):
@@ -391,8 +429,7 @@ class PerLayerScaling(AdaptiveScaling):
         if self.max_rise is not None:
             proposed = ops.minimum(proposed, current + self.max_rise)
         rose, lifted = adaptive_update(
-            current, ceilings, proposed, obs.seen,
-            self.log2_min, self.log2_max, self.max_rise,
+            current, ceilings, proposed, obs.seen, self.log2_min, self.log2_max, self.max_rise
         )
         rose = ops.where(obs.seen, rose, proposed)
         # An overflow seen by a measured step: back off where it started.
@@ -424,8 +461,7 @@ class PerLayerScaling(AdaptiveScaling):
         )
         scale = ops.where(clean, rose, ops.where(located, after_overflow, current))
         ceiling = ops.where(
-            clean, lifted,
-            ops.where(ops.logical_and(located, backs_off), capped, ceilings),
+            clean, lifted, ops.where(ops.logical_and(located, backs_off), capped, ceilings)
         )
         state = self._schedule(
             state, obs, overflow,
@@ -438,13 +474,20 @@ class PerLayerScaling(AdaptiveScaling):
         )
 
 
+# The scaling modes by name, in the order error messages list them.
+MODES = {
+    mode.name: mode
+    for mode in (AdaptiveScaling, DynamicScaling, StaticScaling, NoScaling, PerLayerScaling)
+}
+SCALING_MODES = tuple(MODES)
+
+
 def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
                 log2_max, max_rise=None):
     """The policy object for a scaling mode.
 
     Args:
-        scaling: One of `"none"`, `"static"`, `"dynamic"`, `"adaptive"`,
-            `"per_layer"`.
+        scaling: One of `SCALING_MODES`.
         update_every: Steps between two measurements.
         growth_steps: Clean steps before a dynamic scale doubles.
         hysteresis: Consecutive overflows before a scale backs off.
@@ -455,11 +498,15 @@ def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
     Returns:
         A `Policy`.
     """
-    if scaling == "none":
-        return NoScaling(update_every)
-    if scaling == "static":
-        return StaticScaling(update_every)
-    if scaling == "dynamic":
-        return DynamicScaling(update_every, growth_steps, hysteresis, log2_min, log2_max)
-    adaptive = PerLayerScaling if scaling == "per_layer" else AdaptiveScaling
-    return adaptive(update_every, hysteresis, log2_min, log2_max, max_rise)
+    return MODES[scaling].make(
+        update_every=update_every, growth_steps=growth_steps, hysteresis=hysteresis,
+        log2_min=log2_min, log2_max=log2_max, max_rise=max_rise,
+    )
+
+
+def default_mode(instrumented, float16):
+    """The mode `scaling=None` resolves to: per layer for an instrumented
+    model, else adaptive where the model computes in `float16`, else none."""
+    if instrumented:
+        return PerLayerScaling.name
+    return AdaptiveScaling.name if float16 else NoScaling.name

@@ -1,0 +1,323 @@
+"""The gradient statistics of measured steps, and how they are read.
+
+Every `update_every` steps a finite step's unscaled gradients are measured in
+one pass (`gradient_statistics.grouped_statistics`) into fixed-size optimizer
+variables: the total exponent histogram, zero count and peak that the
+adaptive rule reads, and per trainable variable a norm and a histogram for
+monitoring. `Reading` is the one host-side view of them (`tas.ScaleMonitor`
+reads nothing else).
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from keras import ops
+
+from tf_adaptive_scale import backends
+from tf_adaptive_scale import float16
+from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import keras_internals
+
+# Packed per-replica (or per-micro-batch) measurement: histogram, zeros, peak.
+PACKED_SIZE = float16.NUM_BINS + 2
+
+
+class SkippedStepsError(RuntimeError):
+    """Training skipped `max_consecutive_skips` steps in a row."""
+
+
+class Reading(NamedTuple):
+    """What the optimizer measured and counted, read on the host.
+
+    Attributes:
+        loss_scale: The global loss scale (1 per layer and without scaling).
+        in_float16: Whether gradients are float16 (underflow applies).
+        skipped_steps: Steps skipped so far.
+        clipped_steps: Applied steps on which clipping acted.
+        measurements: Measured steps so far.
+        measured_step: `total_steps` of the last measured step (-1: none).
+        gradient_norm: Global norm of the last measured unscaled gradients.
+        layers: `{layer name: (log2 scale, gradient norm, histogram)}` of the
+            last measured step, each layer's variables taken together.
+    """
+
+    loss_scale: float
+    in_float16: bool
+    skipped_steps: int
+    clipped_steps: int
+    measurements: int
+    measured_step: int
+    gradient_norm: float
+    layers: dict
+
+
+class Measurement:
+    """The statistics variables, created through the optimizer's `add_state`
+    (so they are saved with it), and the writes of a measured step.
+
+    Args:
+        add_state: `add_state(name, value, shape=(), dtype="float32")`.
+        num_variables: How many variables the optimizer trains.
+        underflow_rate: The tolerated underflow fraction.
+        criterion: `"count"` or `"mass"` (see `weights`).
+    """
+
+    def __init__(self, add_state, num_variables, underflow_rate, criterion):
+        self.underflow_rate = underflow_rate
+        self.criterion = criterion
+        self.gradient_histogram = add_state("gradient_histogram", 0.0, shape=(float16.NUM_BINS,))
+        self.gradient_zeros = add_state("gradient_zeros", 0.0)
+        self.gradient_max = add_state("gradient_max", 0.0)
+        self.underflow_fraction = add_state("underflow_fraction", 0.0)
+        self.scale_window = add_state("scale_window", 0.0, shape=(2,))
+        self.gradient_norm = add_state("gradient_norm", 0.0)
+        self.variable_gradient_norms = add_state(
+            "variable_gradient_norms", 0.0, shape=(num_variables,)
+        )
+        self.variable_gradient_histograms = add_state(
+            "variable_gradient_histograms", 0.0,
+            shape=(num_variables, float16.NUM_BINS),
+        )
+        self.measurements = add_state("measurements", 0, dtype=backends.COUNTER_DTYPE)
+        self.measured_step = add_state("measured_step", -1, dtype=backends.COUNTER_DTYPE)
+
+    def weights(self, histogram):
+        """The histogram the rule weighs: counts, or squared magnitudes."""
+        if self.criterion == "mass":
+            return stats.mass_histogram(histogram)
+        return histogram
+
+    @staticmethod
+    def packed(grads, log2_scale, scheduled):
+        """One replica's (or micro-batch's) histogram, zero count and peak of
+        its gradients at `2**log2_scale`, on a scheduled step (zeros
+        otherwise): float16 underflow happens in each replica's gradients,
+        before they are summed."""
+
+        def measure():
+            total = stats.grouped_statistics(grads, [0] * len(grads), 1, log2_scale)
+            return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
+
+        return ops.cond(scheduled, measure, lambda: ops.zeros((PACKED_SIZE,), "float32"))
+
+    def record(self, unscaled, rows, step, packed=None):
+        """Records a finite step's unscaled gradients, per variable (at
+        `rows`) and in total; with several replicas or micro-batches the
+        total histogram, zeros and peak are their own, combined (`packed`),
+        the per-variable records those of the sum."""
+        each = stats.grouped_statistics(unscaled, range(len(unscaled)), len(unscaled))
+        histogram = ops.sum(each.histograms, axis=0)
+        max_abs = ops.max(each.max_abs)
+        zeros = ops.sum(each.zeros)
+        if packed is not None:
+            histogram = packed[: float16.NUM_BINS]
+            zeros, max_abs = ops.unstack(packed[float16.NUM_BINS :])
+        norms = ops.sqrt(each.squares)
+        self.variable_gradient_histograms.assign(
+            ops.scatter_update(self.variable_gradient_histograms.value, rows, each.histograms)
+        )
+        self.variable_gradient_norms.assign(
+            ops.scatter_update(self.variable_gradient_norms.value, rows, norms)
+        )
+        self.gradient_histogram.assign(histogram)
+        self.gradient_zeros.assign(zeros)
+        self.gradient_max.assign(max_abs)
+        self.gradient_norm.assign(ops.sqrt(ops.sum(ops.square(norms))))
+        self.scale_window.assign(ops.stack(
+            stats.scale_bounds(self.weights(histogram), max_abs, self.underflow_rate)
+        ))
+        self.measurements.assign_add(1)
+        self.measured_step.assign(step)
+
+    def proposal(self, log2_headroom):
+        """The adaptive rule's exponent from the last measurement, and
+        whether it saw any nonzero value."""
+        log2_scale, _, _ = stats.adaptive_log2_scale(
+            self.weights(self.gradient_histogram.value),
+            self.gradient_max.value, self.underflow_rate, log2_headroom,
+        )
+        return log2_scale, ops.sum(self.gradient_histogram.value) > 0
+
+    def report_underflow(self, measured, log2_scale):
+        """On a measured step, the underflow fraction at the scale the next
+        steps use."""
+        self.underflow_fraction.assign(ops.where(
+            measured,
+            stats.underflow_fraction(
+                self.weights(self.gradient_histogram.value), log2_scale,
+                zeros=self.gradient_zeros.value,
+            ),
+            self.underflow_fraction.value,
+        ))
+
+
+def layers(scales, norms, histograms):
+    """Per layer, its variables' statistics taken together.
+
+    Args:
+        scales: Per variable, `(layer name, log2 scale)` or None (not
+            measured: an instrumented model's own statistics).
+        norms: Per variable, its gradient norm.
+        histograms: Per variable, its exponent histogram.
+
+    Returns:
+        `{layer name: (log2 scale, norm, histogram)}`.
+    """
+    squares, found = {}, {}
+    for scale, norm, histogram in zip(scales, norms, histograms):
+        if scale is None:
+            continue
+        name, log2_scale = scale
+        first_scale, total = found.get(name, (log2_scale, np.zeros(float16.NUM_BINS)))
+        found[name] = (first_scale, total + histogram)
+        squares[name] = squares.get(name, 0.0) + float(norm) ** 2
+    return {
+        name: (log2_scale, math.sqrt(squares[name]), histogram)
+        for name, (log2_scale, histogram) in found.items()
+    }
+
+
+def read(measured, loss_scale, skipped_steps, clipped_steps, policy, scales):
+    """A `Reading` of an optimizer's variables.
+
+    Args:
+        measured: The optimizer's `Measurement`.
+        loss_scale: Its scale variable.
+        skipped_steps: Its skipped-steps counter.
+        clipped_steps: Its clipped-steps counter.
+        policy: Its `scale_policy.Policy`, or None before the mode is known.
+        scales: Its `gradient_scales()`.
+
+    Returns:
+        A `Reading`.
+    """
+    return Reading(
+        loss_scale=float(loss_scale.numpy()),
+        in_float16=policy is not None and policy.in_float16,
+        skipped_steps=int(skipped_steps.numpy()),
+        clipped_steps=int(clipped_steps.numpy()),
+        measurements=int(measured.measurements.numpy()),
+        measured_step=int(measured.measured_step.numpy()),
+        gradient_norm=float(measured.gradient_norm.numpy()),
+        layers=layers(
+            scales, measured.variable_gradient_norms.numpy(),
+            measured.variable_gradient_histograms.numpy(),
+        ),
+    )
+
+
+def gradient_scales(variables, tables, loss_scale):
+    """Where each variable's gradient was scaled, and by what.
+
+    Args:
+        variables: The optimizer's trainable variables.
+        tables: The instrumented models' `ScaleTable`s among them.
+        loss_scale: The global scale variable.
+
+    Returns:
+        Per variable, `(layer name, log2 of the scale its gradient carries)`
+        (per layer, its unit's name and scale), or None for an instrumented
+        model's own statistics and scales.
+    """
+    global_log2 = math.log2(float(loss_scale.numpy()))
+    tables = [(t, t.log2_scales.numpy()) for t in tables]
+    scales = []
+    for variable in variables:
+        if gradient_scale.written_by_optimizer(variable):
+            scales.append(None)
+            continue
+        path = getattr(variable, "path", variable.name)
+        entry = (path.rsplit("/", 1)[0], global_log2)
+        for table, log2 in tables:
+            unit = table.unit_of(variable)
+            if unit is not None:
+                entry = (table.unit_names[unit], global_log2 + float(log2[unit]))
+        scales.append(entry)
+    return scales
+
+
+def stalled_layers(non_finite, scales):
+    """The layers whose flag in `non_finite` (per variable) is set, once
+    each, in the variables' order."""
+    names = []
+    for flag, scale in zip(non_finite.numpy(), scales):
+        if flag > 0 and scale is not None and scale[0] not in names:
+            names.append(scale[0])
+    return names
+
+
+def stall_report(skips, step, limit, loss_finite, layers):
+    """Why training stalled: `skips` consecutive skips up to `step`."""
+    if not loss_finite:
+        why = "the loss itself was not finite (bad data or a diverged model)"
+    else:
+        why = (
+            "the gradients overflowed at every scale tried; non-finite "
+            f"gradients in layers {layers}"
+            + (f" (nearest the loss: '{layers[-1]}')" if layers else "")
+        )
+    return (
+        f"{skips} consecutive steps skipped, up to step {step} "
+        f"(max_consecutive_skips={limit}): {why}."
+    )
+
+
+class MeasurementReader:
+    """Mixed into `AdaptiveLossScaleOptimizer`: the host-side reads of what
+    it measured and counted (its `_measurement`, `_step_state` and scale
+    tables)."""
+
+    def read(self):
+        """What the optimizer measured and counted, read on the host (all
+        that `tas.ScaleMonitor` reports).
+
+        Returns:
+            A `Reading`.
+        """
+        return read(
+            self._measurement, self.dynamic_scale, self._step_state.skipped_steps,
+            self.clipped_steps, self.policy, self.gradient_scales(),
+        )
+
+    def gradient_scales(self):
+        """Per variable the optimizer was built for, `(layer name, log2 of the
+        scale its gradient carries)` (per layer, its unit's), None for an
+        instrumented model's own statistics; empty before `build`."""
+        if not self.built:
+            return []
+        return gradient_scales(
+            keras_internals.built_variables(self), self._scale_tables, self.dynamic_scale
+        )
+
+    def stalled_layers(self):
+        """The layers whose gradients were not finite on the last skipped
+        step, nearest the loss last."""
+        return stalled_layers(
+            self._step_state.non_finite_gradients, self.gradient_scales()
+        )
+
+    def check_progress(self):
+        """Raises `SkippedStepsError`, saying why and where, after
+        `max_consecutive_skips` consecutive skipped steps (for custom loops;
+        in `fit`, `tas.ScaleMonitor` calls it).
+
+        Raises:
+            SkippedStepsError: When the limit is reached.
+        """
+        limit, state = self.max_consecutive_skips, getattr(self, "_step_state", None)
+        skips = 0 if state is None else int(state.consecutive_skips.numpy())
+        if limit is not None and skips >= limit:
+            raise SkippedStepsError(stall_report(
+                skips, int(state.total_steps.numpy()), limit,
+                bool(state.last_loss_finite.numpy()), self.stalled_layers(),
+            ))
+
+    def layer_scales(self):
+        """The current per-layer scales by layer name (per-layer mode), as
+        Python floats; empty before the first step."""
+        scales = {}
+        for table in getattr(self, "_scale_tables", []):
+            scales.update(table.scales())
+        return scales

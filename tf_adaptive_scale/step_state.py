@@ -1,0 +1,89 @@
+"""The optimizer's step state, in fixed-size variables.
+
+The scale's state (`scale_policy.ScaleState`: scale, cap, growth count,
+overflow streak, measurement countdown, calibration) and the step counters:
+read into a `ScaleState` before a step, written from the policy's next one
+after it.
+"""
+
+from keras import ops
+
+from tf_adaptive_scale import backends
+from tf_adaptive_scale import float16
+from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import scale_policy
+
+
+class StepState:
+    """The variables, created through the optimizer's `add_state` (so they
+    are saved with it, in this order).
+
+    Args:
+        add_state: `add_state(name, value, shape=(), dtype="float32")`.
+        loss_scale: The optimizer's scale variable (made before `build`).
+        num_variables: How many variables the optimizer trains.
+    """
+
+    def __init__(self, add_state, loss_scale, num_variables):
+        counter = backends.COUNTER_DTYPE  # int64 on TF, as stock's (checkpoints)
+        self.loss_scale = loss_scale
+        self.step_counter = add_state("step_counter", 0, dtype=counter)
+        self.overflow_streak = add_state("overflow_streak", 0, dtype="int32")
+        self.scale_ceiling = add_state("scale_ceiling", 2.0**float16.NO_CAP_EXPONENT)
+        self.steps_to_measure = add_state("steps_to_measure", 0, dtype="int32")
+        self.calibrated = add_state("calibrated", False, dtype="bool")
+        self.total_steps = add_state("total_steps", 0, dtype=counter)
+        self.skipped_steps = add_state("skipped_steps", 0, dtype=counter)
+        self.consecutive_skips = add_state("consecutive_skips", 0, dtype=counter)
+        self.last_loss_finite = add_state("last_loss_finite", True, dtype="bool")
+        # 1 where the last skipped step's gradient of a variable was not finite.
+        self.non_finite_gradients = add_state(
+            "non_finite_gradients", 0.0, shape=(num_variables,)
+        )
+        self.last_step_finite = add_state("last_step_finite", True, dtype="bool")
+
+    def scale_state(self):
+        """The `ScaleState` the step runs with."""
+        return scale_policy.ScaleState(
+            log2_scale=ops.round(ops.log2(self.loss_scale.value)),
+            log2_ceiling=ops.round(ops.log2(self.scale_ceiling.value)),
+            growth_count=self.step_counter.value,
+            overflow_streak=self.overflow_streak.value,
+            steps_to_measure=self.steps_to_measure.value,
+            calibrated=self.calibrated.value,
+        )
+
+    def note_non_finite(self, finite, finite_each, rows):
+        """On a skipped step, flags the variables (at `rows`) whose gradient
+        was not finite; an applied step keeps the last skipped one's flags."""
+        flags = self.non_finite_gradients
+        flags.assign(ops.where(
+            finite,
+            flags.value,
+            ops.scatter_update(
+                ops.zeros(flags.shape), rows,
+                ops.cast(ops.logical_not(ops.stack(finite_each)), "float32"),
+            ),
+        ))
+
+    def write(self, state, applied, loss_finite):
+        """Writes the policy's next `state` and counts the step (a skipped
+        one is counted in the step's skip branch).
+
+        Args:
+            state: The next `ScaleState`.
+            applied: bool, the step was applied.
+            loss_finite: bool, its loss was finite.
+        """
+        self.loss_scale.assign(stats.pow2(state.log2_scale))
+        self.scale_ceiling.assign(stats.pow2(state.log2_ceiling))
+        self.step_counter.assign(state.growth_count)
+        self.overflow_streak.assign(state.overflow_streak)
+        self.steps_to_measure.assign(state.steps_to_measure)
+        self.calibrated.assign(state.calibrated)
+        self.total_steps.assign_add(1)
+        self.last_step_finite.assign(applied)
+        self.last_loss_finite.assign(loss_finite)
+        self.consecutive_skips.assign(
+            ops.where(applied, 0, self.consecutive_skips.value + 1)
+        )
