@@ -106,9 +106,14 @@ class Progress(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self.began)
         self.seen += 1
         values = [("loss", float(logs["loss"]))]
-        if hasattr(self.opt, "dynamic_scale") and getattr(self.opt, "scaling", "") != "per_layer":
+        if hasattr(self.opt, "dynamic_scale") and not _per_layer(self.opt):
             values.append(("log2 scale", float(np.log2(np.asarray(self.opt.dynamic_scale)))))
         self.bar.update(self.seen, values)
+
+
+def _per_layer(opt):
+    """Whether `opt` is ours, scaling per layer."""
+    return getattr(getattr(opt, "policy", None), "per_layer", False)
 
 
 def train(method, weights, data, epochs, batch_size, out, jit_compile):
@@ -138,7 +143,7 @@ def train(method, weights, data, epochs, batch_size, out, jit_compile):
     applied = int(opt.iterations.numpy())
     if method == "float32":
         scale = "-"
-    elif getattr(opt, "scaling", None) == "per_layer":
+    elif _per_layer(opt):
         exponents = [int(np.log2(s)) for s in opt.layer_scales().values()]
         scale = f"2**{min(exponents)} to 2**{max(exponents)}"
     else:

@@ -5,6 +5,7 @@ import keras
 from tf_adaptive_scale import backends
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import keras_internals
+from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import validation
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
@@ -310,12 +311,10 @@ class InstrumentedModel(keras.Model):
     def compile(self, optimizer=None, *args, **kwargs):
         """Compiles for training with a per-layer optimizer, or, without an
         optimizer (`optimizer=None`), for `evaluate`/`predict` only."""
-        if (
-            isinstance(optimizer, AdaptiveLossScaleOptimizer)
-            and optimizer.scaling is None
-        ):
-            optimizer.resolve_scaling("per_layer")
-        if optimizer is not None and getattr(optimizer, "scaling", None) != "per_layer":
+        ours = isinstance(optimizer, AdaptiveLossScaleOptimizer)
+        if ours and optimizer.policy is None:
+            optimizer.resolve_scaling(scale_policy.PerLayerScaling.name)
+        if optimizer is not None and not (ours and optimizer.policy.per_layer):
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
                 "gradients: compile it with tas.AdaptiveLossScaleOptimizer(..., "
