@@ -146,11 +146,15 @@ def history_percentile(history, count, percentile):
 class Clipper:
     """A clipping step of a chain.
 
-    `build` creates its state (through the optimizer's `add_state`, so that
+    `build` creates its state (through the optimizer's `_add_state`, so that
     it is saved with the optimizer); a call clips and returns
     `(grads, acted, commit)`, `commit` a function writing the state on a
-    step that is applied (None: no state). Subclasses are Keras
-    serializables whose `get_config` holds their arguments.
+    step that is applied (None: no state). A subclass implements `__call__`
+    (and `build` if it keeps state), keeps its checked arguments with
+    `_keep` (its config; or defines `get_config`), and is registered with
+    `keras.saving.register_keras_serializable` so an optimizer holding it
+    saves and loads. The optimizer builds a copy made from the config: the
+    caller's object never holds state.
     """
 
     def build(self, add_state, num_variables):
@@ -176,10 +180,12 @@ class Clipper:
         raise NotImplementedError
 
     def get_config(self):
+        """The clipper's arguments."""
         return dict(self._arguments)
 
     @classmethod
     def from_config(cls, config):
+        """A new clipper of the same arguments."""
         return cls(**config)
 
     def _keep(self, **arguments):
@@ -195,7 +201,11 @@ def _clipper(cls):
 
 @_clipper
 class ClipByValue(Clipper):
-    """Clips every element to `[-limit, limit]` (`clip_by_value`)."""
+    """Clips every element to `[-limit, limit]` (`clip_by_value`).
+
+    Args:
+        limit: Positive float.
+    """
 
     def __init__(self, limit):
         self._keep(limit=validation.positive_float("limit", limit))
@@ -204,10 +214,13 @@ class ClipByValue(Clipper):
         return (*clip_by_value(grads, self.limit), None)
 
 
-
 @_clipper
 class ClipByNorm(Clipper):
-    """Clips each tensor's L2 norm to `max_norm` (`clip_by_norm`)."""
+    """Clips each tensor's L2 norm to `max_norm` (`clip_by_norm`).
+
+    Args:
+        max_norm: Positive float.
+    """
 
     def __init__(self, max_norm):
         self._keep(max_norm=validation.positive_float("max_norm", max_norm))
@@ -216,10 +229,14 @@ class ClipByNorm(Clipper):
         return (*clip_by_norm(grads, self.max_norm), None)
 
 
-
 @_clipper
 class ClipByGlobalNorm(Clipper):
-    """Clips the norm of all tensors together to `max_norm`."""
+    """Clips the norm of all tensors together to `max_norm`
+    (`clip_by_global_norm`).
+
+    Args:
+        max_norm: Positive float.
+    """
 
     def __init__(self, max_norm):
         self._keep(max_norm=validation.positive_float("max_norm", max_norm))
@@ -228,11 +245,15 @@ class ClipByGlobalNorm(Clipper):
         return (*clip_by_global_norm(grads, self.max_norm), None)
 
 
-
 @_clipper
 class AdaptiveGradClip(Clipper):
     """AGC: clips a unit whose gradient norm exceeds `factor` times its
-    weight norm, at least `eps` (`adaptive_grad_clip`)."""
+    weight norm, at least `eps` (`adaptive_grad_clip`).
+
+    Args:
+        factor: Positive float, the largest gradient/weight norm ratio.
+        eps: Positive float, the smallest weight norm.
+    """
 
     def __init__(self, factor, eps=1e-3):
         self._keep(
@@ -244,13 +265,18 @@ class AdaptiveGradClip(Clipper):
         return (*adaptive_grad_clip(grads, weights, self.factor, self.eps), None)
 
 
-
 @_clipper
 class AutoClip(Clipper):
     """AutoClip (Seetharaman et al. 2020): clips the global norm (or, with
     `per_variable`, each variable's norm) to the `percentile` of the last
     `window` norms, the current one included; the history only moves on
-    applied steps."""
+    applied steps.
+
+    Args:
+        percentile: In (0, 100].
+        window: Int >= 1, how many past norms are kept.
+        per_variable: Bool, one history per variable.
+    """
 
     def __init__(self, percentile, window=1000, per_variable=False):
         percentile = validation.positive_float("percentile", percentile)
@@ -259,7 +285,7 @@ class AutoClip(Clipper):
         self._keep(
             percentile=percentile,
             window=validation.positive_int("window", window),
-            per_variable=per_variable,
+            per_variable=_bool("per_variable", per_variable),
         )
 
     def build(self, add_state, num_variables):
@@ -290,7 +316,6 @@ class AutoClip(Clipper):
             self.count.assign_add(1)
 
         return grads, acted, commit
-
 
 
 def check_chain(name, clippers):
@@ -375,4 +400,10 @@ def _f32(x):
 
 
 def _any(flags):
-    return ops.any(ops.stack(flags))
+    return ops.any(ops.stack(flags)) if flags else ops.convert_to_tensor(False)
+
+
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool. Received: {value!r}")
+    return value

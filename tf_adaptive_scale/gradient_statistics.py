@@ -329,6 +329,8 @@ __all__ = [
     "underflow_fraction",
     "scale_bounds",
     "adaptive_log2_scale",
+    "combine_measurements",
+    "unscale",
 ]
 
 

@@ -11,6 +11,7 @@ from keras import ops
 from tf_adaptive_scale import branching
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import measurement
 
 
 def accumulate(total, value, is_statistics):
@@ -48,7 +49,7 @@ class GradientWindow:
             for v in variables
         ]
         self.measurement = optimizer.add_variable(
-            (stats.NUM_BINS + 2,), initializer="zeros", dtype="float32",
+            (measurement.PACKED_SIZE,), initializer="zeros", dtype="float32",
             name="window_measurement",
         )
         self.count = optimizer.add_variable(

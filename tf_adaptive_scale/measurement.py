@@ -4,8 +4,8 @@ Every `update_every` steps a finite step's unscaled gradients are measured in
 one pass (`gradient_statistics.grouped_statistics`) into fixed-size optimizer
 variables: the total exponent histogram, zero count and peak that the
 adaptive rule reads, and per trainable variable a norm and a histogram for
-monitoring. `Reading` is the one host-side view of them (`tas.ScaleMonitor`
-reads nothing else).
+monitoring. `Reading` is the one host-side view of them, what
+`tas.ScaleMonitor` reports.
 """
 
 import math
@@ -54,11 +54,13 @@ class Reading(NamedTuple):
 
 
 class Measurement:
-    """The statistics variables, created through the optimizer's `add_state`
-    (so they are saved with it), and the writes of a measured step.
+    """The statistics variables, created through the optimizer's
+    `_add_state` (so they are saved with it and read as its attributes), and
+    the writes of a measured step.
 
     Args:
-        add_state: `add_state(name, value, shape=(), dtype="float32")`.
+        add_state: `add_state(name, value, shape=(), dtype="float32")`, a
+            new optimizer variable.
         num_variables: How many variables the optimizer trains.
         underflow_rate: The tolerated underflow fraction.
         criterion: `"count"` or `"mass"` (see `weights`).
@@ -195,7 +197,7 @@ def read(measured, loss_scale, skipped_steps, clipped_steps, policy, scales):
     """
     return Reading(
         loss_scale=float(loss_scale.numpy()),
-        in_float16=policy is not None and policy.in_float16,
+        in_float16=policy is None or policy.in_float16,
         skipped_steps=int(skipped_steps.numpy()),
         clipped_steps=int(clipped_steps.numpy()),
         measurements=int(measured.measurements.numpy()),

@@ -46,13 +46,9 @@ class AdaptiveLossScaleOptimizer(
     5. The mode's policy (`scale_policy`) turns what the step saw into the
        next scale, which is written to the optimizer's variables.
 
-    `"adaptive"` takes the largest power of two that keeps `headroom` below
-    float16's maximum with at most `underflow_rate` of the values
-    underflowing; `"dynamic"` doubles and halves as Keras's; `"per_layer"`
-    gives every layer of a `tas.instrument`ed model its own. Arguments and
-    state variables read as attributes (`optimizer.update_every`,
-    `optimizer.measurements`); `iterations` counts applied steps only. The
-    README's "How it works" gives every rule in full.
+    Arguments and state variables read as attributes (`update_every`,
+    `measurements`); `iterations` counts applied steps only. The README's
+    "Arguments", "The adaptive rule" and "Per-layer scaling" give the rules.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
@@ -77,33 +73,40 @@ class AdaptiveLossScaleOptimizer(
             dynamic_growth_steps=settings.dynamic_growth_steps, name=name, **kwargs,
         )
         self.settings = settings
+        # Keras's base set these to None (only the inner optimizer clips
+        # itself); here they read as the arguments, like the others.
+        self.clipnorm, self.clipvalue = settings.clipnorm, settings.clipvalue
+        self.global_clipnorm = settings.global_clipnorm
         self._clippers = self.settings.clipping_chain()
         self._policy = None
-        # The scale exists before `build` so that `scale_loss` reads a
-        # variable from the first trace on (no retrace once built).
-        self.dynamic_scale = self._state("dynamic_scale", self.initial_scale)
-        # Non-finite losses seen by `scale_loss` since the last step, summed
-        # over replicas: such a step is bad data, not an overflow.
-        self.non_finite_losses = self._state("non_finite_losses", 0.0, aggregation="sum")
-        # The scale `scale_loss` multiplied this step's loss by (0: none
-        # noted): the mode may be resolved between the two calls.
-        self.loss_scale_used = self._state("loss_scale_used", 0.0)
+        # Made before `build`, so that `scale_loss` reads variables from the
+        # first trace on: the scale; the non-finite losses noted since the
+        # last step (summed over replicas: bad data, not an overflow); the
+        # scale the loss was multiplied by (0: none; the mode may be resolved
+        # between `scale_loss` and `apply`).
+        self.dynamic_scale = self._add_state("dynamic_scale", self.initial_scale)
+        self.non_finite_losses = self._add_state("non_finite_losses", 0.0, aggregation="sum")
+        self.loss_scale_used = self._add_state("loss_scale_used", 0.0)
         if scaling is not None:
             self.resolve_scaling(scaling)
+    __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
 
     def __getattr__(self, name):
-        # Only when lookup fails: the arguments, then state variables by name.
-        state = self.__dict__
-        if "settings" in state and name in settings_lib.NAMES:
-            return getattr(state["settings"], name)
-        for variable in state.get("_variables", ()):  # keras_internals.own_variables
-            if variable.name == name:
-                return variable
+        # Reached only when ordinary lookup fails: the arguments, read from
+        # the settings (`__dict__`: `settings` may not be set yet).
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in settings_lib.NAMES:
+            return getattr(settings, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def _state(self, name, value, shape=(), dtype="float32", aggregation="only_first_replica"):
+    def _add_state(self, name, value, shape=(), dtype="float32", aggregation="only_first_replica"):
+        """A new state variable, saved with the optimizer and read as its
+        attribute `name` (a named TensorFlow checkpoint dependency, as stock's)."""
         initializer = keras.initializers.Constant(value)
-        return self.add_variable(shape, initializer, dtype, aggregation, name=name)
+        variable = self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
+                                     aggregation=aggregation, name=name)
+        setattr(self, name, variable)
+        return variable
 
     @property
     def policy(self):
@@ -113,8 +116,13 @@ class AdaptiveLossScaleOptimizer(
     def resolve_scaling(self, scaling):
         """Fixes the mode (in `scale_policy.SCALING_MODES`) of an optimizer made
         with `scaling=None` (at the first step, or by an instrumented model)."""
+        if self._policy is not None and self._policy.name != scaling:
+            raise ValueError(
+                f"The optimizer's scaling is already {self._policy.name!r}; "
+                f"received scaling={scaling!r}."
+            )
         self._policy = self.settings.policy(scaling)
-        self.settings = settings_lib.dataclasses.replace(self.settings, scaling=scaling)
+        self.settings = self.settings.with_scaling(scaling)
         if not self._policy.scales_loss:
             # Outside any trace: the scale is 1 from the next step on.
             backends.assign_now(self.dynamic_scale, 1.0)
@@ -123,22 +131,16 @@ class AdaptiveLossScaleOptimizer(
         """Creates the optimizer's state for `var_list` (the model's trainable
         variables); building again for the same list is a no-op."""
         if self.built:
-            built = keras_internals.built_variables(self)
-            if [id(v) for v in var_list] != [id(v) for v in built]:
-                raise ValueError(
-                    f"The optimizer '{self.name}' is already built for {len(built)} "
-                    f"other variables; received `var_list` of {len(var_list)}. "
-                    "Create a new optimizer for another set of variables."
-                )
+            self._check_known(var_list, all_of_them=True)
             return
         n = len(var_list)
-        self._step_state = step_state.StepState(self._state, self.dynamic_scale, n)
+        self._step_state = step_state.StepState(self._add_state, self.dynamic_scale, n)
         self._measurement = measurement.Measurement(
-            self._state, n, self.underflow_rate, self.underflow_criterion
+            self._add_state, n, self.underflow_rate, self.underflow_criterion
         )
-        self.clipped_steps = self._state("clipped_steps", 0, dtype=backends.COUNTER_DTYPE)
+        self.clipped_steps = self._add_state("clipped_steps", 0, dtype=backends.COUNTER_DTYPE)
         for clipper in self._clippers:
-            clipper.build(self._state, n)
+            clipper.build(self._add_state, n)
         if self.accumulation_steps > 1:
             self._window = gradient_window.GradientWindow(self, var_list, self.accumulation_steps)
         self._scale_tables = layer_scaling.tables_of(var_list)
@@ -181,10 +183,8 @@ class AdaptiveLossScaleOptimizer(
         or skips the step."""
         if trainable_variables is None:
             trainable_variables = keras_internals.built_variables(self)
-        pairs = [
-            (g, v) for g, v in zip(grads, trainable_variables)
-            if g is not None and not hasattr(v, "scale_state")
-        ]
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables)
+                 if g is not None and not hasattr(v, "scale_state")]
         if not pairs:
             return
         if not self.built:
@@ -198,19 +198,22 @@ class AdaptiveLossScaleOptimizer(
         unscaled = backends.already_unscaled([sparse.values(g) for g in grads])
         backends.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
-            self.inner_optimizer,
-            grads,
-            variables,
+            self.inner_optimizer, grads, variables,
             statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
             replica_statistics=None if tables else (
-                lambda: self._packed_measurement(grads, variables, unscaled)
-            ),
+                lambda: self._packed_measurement(grads, variables, unscaled)),
         )
 
-    def _check_known(self, variables):
-        """Refuses variables this optimizer was not built for, as Keras
-        optimizers do."""
+    def _check_known(self, variables, all_of_them=False):
+        """Refuses variables this optimizer was not built for, as Keras's do
+        (`all_of_them`: `variables` must be exactly those)."""
         built = keras_internals.built_variables(self)
+        if all_of_them and [id(v) for v in variables] != [id(v) for v in built]:
+            raise ValueError(
+                f"The optimizer '{self.name}' is already built for {len(built)} "
+                f"other variables; received `var_list` of {len(variables)}. "
+                "Create a new optimizer for another set of variables."
+            )
         known = {id(v) for v in built}
         for v in variables:
             if id(v) not in known:
@@ -234,7 +237,7 @@ class AdaptiveLossScaleOptimizer(
         float16 (its gradients tell or, eagerly, the global dtype policy)."""
         return scale_policy.default_mode(
             instrumented=bool(tables),
-            float16=backends.computes_in_float16([sparse.values(g) for g in grads])
+            computes_in_float16=backends.computes_in_float16([sparse.values(g) for g in grads])
             or keras.config.dtype_policy().compute_dtype == "float16",
         )
 
@@ -275,7 +278,7 @@ class AdaptiveLossScaleOptimizer(
         values = {rows[i]: sparse.dense(unscaled[i]) for i in regular}
         values.update(zip(statistics, inputs.table_grads))
 
-        def decide(contents, packed, loss_finite):
+        def decide(contents, window_packed, window_loss_finite):
             def window(grads):
                 """The window's mean in place of a micro-batch's gradients."""
                 return [contents(rows[i]) if i in rows else g for i, g in enumerate(grads)]
@@ -284,14 +287,14 @@ class AdaptiveLossScaleOptimizer(
                 inputs._replace(
                     grads=window(inputs.grads),
                     table_grads=[contents(s) for s in statistics],
-                    packed=[] if inputs.tables else [packed],
+                    packed=[] if inputs.tables else [window_packed],
                     already_unscaled=True,
                 ),
                 # Each replica reads its own copy of the window's sums.
                 lambda applied, transform: apply_fn(
                     applied, lambda summed: transform(window(summed))
                 ),
-                loss_finite,
+                window_loss_finite,
             )
 
         self._window.add_and_decide(values, packed, loss_finite, decide)
@@ -329,17 +332,17 @@ class AdaptiveLossScaleOptimizer(
         state = self._step_state.scale_state()
         steps = self._table_steps(inputs, regular)
         log2_divisors = self._log2_divisors(state, steps, regular)
+        weights = [inputs.variables[i] for i in regular]
+        rows = [keras_internals.variable_index(self, v) for v in weights]
 
         def transform(grads):
             """The unscaled and the clipped (applied) gradients; a pure
             function of the summed gradients, so every replica can apply it
             to its own copy of the sum."""
             unscaled = grads if inputs.already_unscaled else stats.unscale(grads, log2_divisors)
-            clipped, acted, commit = clipping.clip(
-                self._clippers, [unscaled[i] for i in regular],
-                [inputs.variables[i] for i in regular],
-                [keras_internals.variable_index(self, inputs.variables[i]) for i in regular],
-            ) if self._clippers else ([unscaled[i] for i in regular], None, None)
+            clipped, acted, commit = [unscaled[i] for i in regular], None, None
+            if self._clippers:
+                clipped, acted, commit = clipping.clip(self._clippers, clipped, weights, rows)
             applied = list(unscaled)
             for i, g in zip(regular, clipped):
                 applied[i] = g
@@ -350,14 +353,14 @@ class AdaptiveLossScaleOptimizer(
         scheduled = ops.equal(state.steps_to_measure, 0)
         # Only variables overwritten with their gradients: nothing to measure.
         measure = ops.logical_and(scheduled, finite) if regular else _any([])
-        applies = finite if steps else ops.logical_and(finite, ops.logical_not(
-            self._policy.blind(state, measure, _any(
-                [ops.any(ops.not_equal(sparse.values(unscaled[i]), 0)) for i in regular]
-            ))  # a step whose gradients all underflowed is not applied as one
-        ))
+        applies = finite
+        if not steps:  # a step whose gradients all underflowed is not applied as one
+            seen = _any([ops.any(ops.not_equal(sparse.values(unscaled[i]), 0)) for i in regular])
+            blind = self._policy.blind(state, measure, seen)
+            applies = ops.logical_and(finite, ops.logical_not(blind))
         self._apply_or_skip(applies, applied, transform, apply_fn, clipping_record)
         if regular:
-            self._record(inputs, regular, unscaled, finite, finite_each, measure)
+            self._record(regular, rows, unscaled, finite, finite_each, measure, inputs.packed)
         new = self._next_state(state, steps, unscaled, finite, loss_finite, measure, scheduled)
         # Reported at the scale the next steps use.
         self._measurement.report_underflow(measure, new.log2_scale)
@@ -397,15 +400,15 @@ class AdaptiveLossScaleOptimizer(
         # update; on GPU XLA waits on the host for every conditional).
         branching.select(applies, on_finite, on_non_finite)
 
-    def _record(self, inputs, regular, unscaled, finite, finite_each, measure):
+    def _record(self, regular, rows, unscaled, finite, finite_each, measure, packed):
         """Flags non-finite gradients (on a skipped step) and, on a measured
         one, records the statistics, per variable at its row."""
-        rows = [[keras_internals.variable_index(self, inputs.variables[i])] for i in regular]
+        rows = [[row] for row in rows]
         self._step_state.note_non_finite(finite, finite_each, rows)
         branching.cond(
             measure,
             lambda: self._measurement.record([unscaled[i] for i in regular], rows,
-                                             self._step_state.total_steps.value, *inputs.packed),
+                                             self._step_state.total_steps.value, *packed),
             lambda: None,
         )
 
@@ -444,12 +447,10 @@ class AdaptiveLossScaleOptimizer(
         loops over `model.stateless_call`); returns the new values of the
         trainable variables and of `optimizer.variables`."""
         if backends.TENSORFLOW:
-            raise NotImplementedError(
-                "On TensorFlow, use apply(): its conditionals assign the "
-                "optimizer's variables in place."
-            )
-        # The generic stateless step (Keras's LossScaleOptimizer replaces it
-        # with its own decision): `apply` in a StatelessScope.
+            raise NotImplementedError("On TensorFlow, use apply(): its conditionals "
+                                      "assign the optimizer's variables in place.")
+        # The generic stateless step, `apply` in a StatelessScope (stock's
+        # LossScaleOptimizer replaces it with its own decision).
         return keras.optimizers.Optimizer.stateless_apply(
             self, optimizer_variables, grads, trainable_variables
         )

@@ -18,6 +18,8 @@ import textwrap
 
 import numpy as np
 
+from tf_adaptive_scale import float16
+
 LOG_FILE = "scale_monitor.jsonl"
 MAX_LEGEND_LAYERS = 12
 MAX_HISTOGRAM_LAYERS = 16
@@ -33,8 +35,7 @@ def float16_zones():
     Returns:
         A tuple of ints `(underflow_upper, overflow_lower)`, that is `(-24, 16)`.
     """
-    info = np.finfo(np.float16)
-    return math.floor(math.log2(info.smallest_subnormal)), math.floor(math.log2(info.max)) + 1
+    return float16.SUBNORMAL_EXPONENT, float16.OVERFLOW_EXPONENT
 
 
 def plot_report(source, out_dir):

@@ -504,9 +504,17 @@ def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
     )
 
 
-def default_mode(instrumented, float16):
-    """The mode `scaling=None` resolves to: per layer for an instrumented
-    model, else adaptive where the model computes in `float16`, else none."""
+def default_mode(instrumented, computes_in_float16):
+    """The mode `scaling=None` resolves to.
+
+    Args:
+        instrumented: The gradients come from a `tas.instrument`ed model.
+        computes_in_float16: The model computes in float16.
+
+    Returns:
+        Per layer for an instrumented model, else adaptive where the model
+        computes in float16, else none.
+    """
     if instrumented:
         return PerLayerScaling.name
-    return AdaptiveScaling.name if float16 else NoScaling.name
+    return AdaptiveScaling.name if computes_in_float16 else NoScaling.name

@@ -7,6 +7,7 @@ signature, validation, attributes and `get_config` all come from this record
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import keras
@@ -17,6 +18,11 @@ from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import validation
 
 _optional_float = functools.partial(validation.positive_float, allow_none=True)
+# The arguments that make the default clipping chain.
+_CLIPPING_ARGUMENTS = (
+    "clipnorm", "clipvalue", "global_clipnorm", "autoclip_percentile",
+    "autoclip_window", "autoclip_per_variable", "agc_factor", "agc_eps",
+)
 
 
 def _optional(check):
@@ -41,7 +47,7 @@ def _headroom(name, value):
 
 
 def _percentile(name, value):
-    value = validation.positive_float(name, value)
+    value = validation.positive_float(name, value, allow_none=True)
     if value > 100:
         raise ValueError(f"`{name}` must be in (0, 100]. Received: {value}")
     return value
@@ -68,10 +74,14 @@ class Settings:
     """
 
     scaling: object = _setting(None, _optional(_scaling), (
-        "The mode, one of `scale_policy.SCALING_MODES`; `None`: resolved at "
-        "the first step from what the model computes."))
+        '`"adaptive"`, `"dynamic"`, `"static"`, `"none"` or `"per_layer"`. '
+        "`None`: resolved at the first step (when an instrumented model is "
+        "compiled; on JAX at `build`) from what the model computes: per "
+        "layer for an instrumented model, adaptive where it computes in "
+        "float16, else none. The resolved mode is saved."))
     initial_scale: float = _setting(2.0**15, validation.power_of_two, (
-        "Power of two, the scale before the first update."))
+        "Power of two, the global scale before the first update (unused "
+        "per layer)."))
     dynamic_growth_steps: int = _setting(2000, validation.positive_int, (
         'Clean steps before a `"dynamic"` scale doubles.'))
     min_scale: float = _setting(2.0**-32, validation.power_of_two, (
@@ -83,7 +93,8 @@ class Settings:
     update_every: int = _setting(100, validation.positive_int, (
         "Steps between two measurements of the statistics."))
     underflow_rate: float = _setting(1e-3, validation.open_unit_interval, (
-        "In (0, 1), the tolerated underflow fraction."))
+        "In (0, 1), the tolerated fraction of the nonzero gradient values "
+        "below float16's smallest subnormal (2**-24)."))
     underflow_criterion: str = _setting("count", _criterion, (
         '`"count"` (of the values) or `"mass"` (of the squared norm).'))
     headroom: float = _setting(2.0**4, _headroom, (
@@ -113,7 +124,10 @@ class Settings:
         "Skips in a row after which `check_progress()` raises "
         "`SkippedStepsError` (`None`: never)."))
     accumulation_steps: int = _setting(1, validation.positive_int, (
-        "Micro-batches per optimizer step (gradient accumulation)."))
+        "Micro-batches (calls of `apply`, e.g. `fit`'s batches) per "
+        "optimizer step: their unscaled gradients are summed in float32 "
+        "and checked, clipped and applied (their mean) or skipped once; a "
+        "window spans epochs and `fit` calls."))
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -131,23 +145,45 @@ class Settings:
                 "`autoclip_per_variable=True` needs `autoclip_percentile` "
                 "(AutoClip is off without it)."
             )
-        if self.clippers is not None and self._legacy_clippers():
+        clipping_arguments = [
+            f.name for f in dataclasses.fields(self)
+            if f.name in _CLIPPING_ARGUMENTS and getattr(self, f.name) != f.default
+        ]
+        if self.clippers is not None and clipping_arguments:
             raise ValueError(
-                "Pass either `clippers` or the clipping arguments (`clipnorm`, "
-                "`clipvalue`, `global_clipnorm`, `autoclip_percentile`, "
-                "`agc_factor`), not both: put every clipper in `clippers`."
+                "Pass either `clippers` or the clipping arguments, not both: "
+                f"put every clipper in `clippers`. Received: clippers and "
+                f"{', '.join(clipping_arguments)}"
             )
 
     @classmethod
     def take(cls, kwargs):
-        """The settings among `kwargs`, removed from it (the rest are
-        Keras's)."""
+        """The settings among `kwargs`, checked.
+
+        Args:
+            kwargs: A dict of arguments; the settings are removed from it
+                (the rest are Keras's).
+
+        Returns:
+            A `Settings`.
+        """
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{n: kwargs.pop(n) for n in names if n in kwargs})
 
+    def with_scaling(self, scaling):
+        """These settings, the mode resolved to `scaling`."""
+        return dataclasses.replace(self, scaling=scaling)
+
     def policy(self, scaling):
-        """The policy of mode `scaling`, its scale bounds checked."""
-        mode = scale_policy.MODES[scaling]
+        """The policy of mode `scaling`, its scale bounds checked.
+
+        Args:
+            scaling: One of `scale_policy.SCALING_MODES`.
+
+        Returns:
+            A `scale_policy.Policy`.
+        """
+        mode = scale_policy.MODES[_scaling("scaling", scaling)]
         max_scale = self.max_scale or 2.0**mode.default_log2_max
         if self.min_scale > max_scale:
             raise ValueError(
@@ -171,9 +207,9 @@ class Settings:
         in the default order AGC, value, norm, global norm, AutoClip."""
         if self.clippers is not None:
             return [type(c).from_config(c.get_config()) for c in self.clippers]
-        return self._legacy_clippers()
+        return self._argument_clippers()
 
-    def _legacy_clippers(self):
+    def _argument_clippers(self):
         chain = []
         if self.agc_factor is not None:
             chain.append(clipping.AdaptiveGradClip(self.agc_factor, self.agc_eps))
@@ -191,8 +227,12 @@ class Settings:
         return chain
 
     def get_config(self):
+        """Every setting (`clippers` serialized, and left out when unused:
+        configs stay loadable by versions without it)."""
         config = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if self.clippers is not None:
+        if self.clippers is None:
+            del config["clippers"]
+        else:
             config["clippers"] = [
                 keras.saving.serialize_keras_object(c) for c in self.clippers
             ]
@@ -222,6 +262,20 @@ def check_inner_optimizer(inner_optimizer):
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def signature():
+    """The optimizer's `__init__` signature, for `help` and IDEs: the
+    settings are keyword arguments with their defaults."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature([
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("inner_optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("scaling", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+        *[inspect.Parameter(f.name, keyword, default=f.default)
+          for f in dataclasses.fields(Settings) if f.name != "scaling"],
+        inspect.Parameter("name", keyword, default=None),
+    ])
 
 
 def args_doc(indent):

@@ -15,11 +15,12 @@ from tf_adaptive_scale import scale_policy
 
 
 class StepState:
-    """The variables, created through the optimizer's `add_state` (so they
-    are saved with it, in this order).
+    """The variables, created through the optimizer's `_add_state` (so they
+    are saved with it, in this order, and read as its attributes).
 
     Args:
-        add_state: `add_state(name, value, shape=(), dtype="float32")`.
+        add_state: `add_state(name, value, shape=(), dtype="float32")`, a
+            new optimizer variable.
         loss_scale: The optimizer's scale variable (made before `build`).
         num_variables: How many variables the optimizer trains.
     """

@@ -48,6 +48,6 @@ def load(store, inner_optimizer, trained_variables, own_variables, restore_scale
         "Loaded the state of a stock keras LossScaleOptimizer: restored "
         f"the inner optimizer and {', '.join(restored)}; these start "
         f"fresh: {', '.join(fresh)}.",
-        stacklevel=4,
+        stacklevel=3,
     )
     return True
