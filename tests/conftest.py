@@ -9,7 +9,10 @@ import pytest  # noqa: E402
 # with KERAS_BACKEND=jax, the backend-neutral core and test_jax.py, the rest
 # being TensorFlow-specific (tf.function, tf.distribute, TensorBoard,
 # GradientTape) with test_jax.py as their JAX counterpart.
-ON_JAX = {"test_jax.py", "test_scale_policy.py", "test_scaling.py", "test_stock_compatibility.py", "test_drop_in.py"}
+ON_JAX = {
+    "test_jax.py", "test_scale_policy.py", "test_scaling.py", "test_stock_compatibility.py",
+    "test_drop_in.py", "test_settings.py", "test_step_invariants.py",
+}
 _here = os.path.dirname(__file__)
 if keras.backend.backend() == "tensorflow":
     collect_ignore = ["test_jax.py"]
