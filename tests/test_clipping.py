@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import dense_model
 
 SCALE = 2.0**10
 LR = 0.5
@@ -111,11 +112,11 @@ def test_global_clipnorm_in_mixed_float16_fit_matches_float32_clipping():
     x = np.random.default_rng(3).standard_normal((16, 4)).astype("float32")
     y = np.ones((16, 1), "float32")
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model = dense_model(4, 1, sequential=True)
     w0 = model.get_weights()
     # Reference float32 gradients at the same weights.
     keras.mixed_precision.set_global_policy("float32")
-    ref = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ref = dense_model(4, 1, sequential=True)
     ref.set_weights(w0)
     with tf.GradientTape() as tape:
         loss = keras.losses.mean_squared_error(y, ref(x))
@@ -170,7 +171,7 @@ def test_autoclip_per_variable():
 
 def test_clipping_and_statistics_without_scaling_in_bfloat16():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model = dense_model(4, 8, 1, sequential=True)
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1), global_clipnorm=1e-3, update_every=1)
     model.compile(opt, "mse", jit_compile=True)
     model.fit(np.ones((8, 4)), np.full((8, 1), 5.0), batch_size=8, epochs=2, verbose=0)

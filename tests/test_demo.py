@@ -1,21 +1,13 @@
 """The demo (the README's first command) at its quick size."""
 
-import os
-import subprocess
-import sys
-
-from child_process import ROOT, child_env
+from helpers import child_env, run_child
 
 
 def test_quick_demo_prints_the_table_and_writes_the_report(tmp_path):
     env = child_env()
     env.pop("TF_CPP_MIN_LOG_LEVEL")  # as a new user runs it
-    proc = subprocess.run(
-        [sys.executable, "-m", "tf_adaptive_scale.demo", "--quick",
-         "--out", str(tmp_path)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_child("-m", "tf_adaptive_scale.demo", "--quick", "--out", str(tmp_path),
+                     env=env, timeout=600)
     out = proc.stdout
     for method in ("| float32 |", "| float16, Keras LossScaleOptimizer |",
                    "| float16, tas adaptive (one scale) |",

@@ -9,18 +9,9 @@ Backend-neutral: runs on TensorFlow and on JAX; sparse gradients are
 import keras
 import numpy as np
 import pytest
-from backend_step import stepper
+from helpers import INF, JAX, NAN, dense_model, stepper, tensor
 
 import tf_adaptive_scale as tas
-
-JAX = keras.backend.backend() == "jax"
-NAN = float("nan")
-INF = float("inf")
-
-
-def tensor(value):
-    return keras.ops.convert_to_tensor(np.asarray(value, "float32"))
-
 
 def sparse_gradient(values, indices, shape):
     """A row-sparse gradient in the backend's own form."""
@@ -217,8 +208,7 @@ def test_fit_accumulation_carries_an_unfinished_window_into_the_next_epoch():
     y = rng.standard_normal((20, 1)).astype("float32")
 
     def model(optimizer):
-        keras.utils.set_random_seed(1)
-        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        m = dense_model(3, 1, seed=1, sequential=True)
         m.compile(optimizer=optimizer, loss="mse")
         return m
 

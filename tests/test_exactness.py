@@ -42,6 +42,7 @@ from keras import layers
 from keras import ops
 
 import tf_adaptive_scale as tas
+from helpers import set_random_scales
 
 STEPS = 5
 BATCH = 8
@@ -214,10 +215,7 @@ def _build(entry, policy, per_layer):
 
 
 def _randomise(instrumented, rng):
-    table = instrumented.scale_table
-    log2 = rng.integers(-10, 11, len(table.unit_names)).astype("float32")
-    log2[0] = 0  # the loss unit
-    table.log2_scales.assign(log2)
+    set_random_scales(instrumented, rng, 10)
 
 
 def _train(jobs, weights, per_layer, randomise=()):

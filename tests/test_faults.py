@@ -8,13 +8,11 @@ import pytest
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import dense_model
 
 
 def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    x = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="relu", name="first")(x)
-    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+    return dense_model(6, (8, "relu", "first"), (1, None, "head"), seed=seed)
 
 
 def data(n=64, seed=0):
@@ -31,13 +29,6 @@ def snapshot(model, opt):
 def assert_unchanged(before, after):
     for a, b in zip(before[0] + before[1], after[0] + after[1]):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.fixture
-def float16_policy():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def test_nan_batches_for_a_long_stretch_stop_fit_cleanly(float16_policy):

@@ -3,13 +3,10 @@
 Each test trains an instrumented float32 model at fixed, unequal per-unit
 scales for one SGD step and compares the update with plain SGD on the same
 weights: any contribution divided by the wrong scale shows as an update
-2**k off. The `fit`-based ones run on JAX too (test_jax.py imports them).
+2**k off. Backend-neutral: runs on TensorFlow and on JAX.
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -18,21 +15,17 @@ from keras import layers
 from keras import ops
 
 import tf_adaptive_scale as tas
-from child_process import child_env
+from helpers import head_on as _head, normal, set_random_scales, shared_backbone as _backbone
 
 LR = 0.1
 
 
-def _data(shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+_data = normal
 
 
 def _set_scales(instrumented, seed=0):
     """Random unequal unit scales in [2**-8, 2**8]; the loss unit keeps 1."""
-    table = instrumented.scale_table
-    log2 = np.random.default_rng(seed).integers(-8, 9, len(table.unit_names))
-    log2[0] = 0
-    table.log2_scales.assign(log2.astype("float32"))
+    set_random_scales(instrumented, seed, 8)
 
 
 def _per_layer(inner=None):
@@ -67,16 +60,6 @@ def _twin(build, x, y, loss="mse"):
     model = build()
     model.set_weights(weights)
     return model, updates
-
-
-def _backbone():
-    x = keras.Input((6,))
-    return keras.Model(x, layers.Dense(8, activation="tanh", name="trunk")(x), name="backbone")
-
-
-def _head(backbone, name):
-    x = keras.Input((6,))
-    return keras.Model(x, layers.Dense(3, name=f"{name}_out")(backbone(x)), name=name)
 
 
 def test_two_instrumented_models_on_one_backbone_each_train_exactly():
@@ -207,119 +190,3 @@ def test_counts_do_not_saturate_beyond_two_to_the_24():
         return float(stats.adaptive_log2_scale(hist, peak, 1e-4, 1.0)[0])
 
     assert scale(2**23) == scale(2**25)
-
-
-def test_float64_models_are_converted_exactly():
-    # Boundaries rounded every float64 gradient to float32.
-    import tensorflow as tf
-
-    keras.mixed_precision.set_global_policy("float64")
-    keras.utils.set_random_seed(0)
-    x = keras.Input((4,))
-    h = layers.Dense(5, activation="tanh")(x)
-    model = keras.Model(x, layers.Dense(2)(h))
-    inst = tas.instrument(model)
-    _set_scales(inst, seed=8)
-    data = tf.constant(np.random.default_rng(0).standard_normal((8, 4)))
-    table = inst.scale_table
-
-    def grads(m):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.sin(m(data) * 1.234567891))
-        return tape.gradient(loss, model.trainable_weights)
-
-    reference = grads(model)
-    for v, g, r in zip(model.trainable_weights, grads(inst), reference):
-        assert g.dtype == tf.float64
-        scale = 2.0 ** float(table.log2_scales.numpy()[table.unit_of(v)])
-        np.testing.assert_array_equal(g.numpy() / scale, r.numpy())
-
-
-def _readme_per_layer_loop():
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        text = f.read()
-    blocks = text.split("```python")[1:]
-    (code,) = [b.split("```")[0] for b in blocks if "optimizer.build(instrumented" in b]
-    return "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())
-
-
-def test_readme_per_layer_loop_does_not_back_off_on_nan_batches():
-    # The loop called no scale_loss/observe_loss: a NaN batch counted as an
-    # overflow and backed every unit off a binade.
-    import tensorflow as tf
-
-    model = _head(_backbone(), "m")
-    instrumented = tas.instrument(model)
-    optimizer = _per_layer()
-    namespace = {
-        "tf": tf, "instrumented": instrumented, "optimizer": optimizer,
-        "loss_fn": keras.losses.MeanSquaredError(),
-    }
-    exec(_readme_per_layer_loop(), namespace)
-    x, y = _data((8, 6)), _data((8, 3), 1)
-    namespace["train_step"](x, y)  # calibrates
-    before = instrumented.scale_table.log2_scales.numpy().copy()
-    bad = x.copy()
-    bad[0, 0] = np.nan
-    for _ in range(10):
-        namespace["train_step"](bad, y)
-    np.testing.assert_array_equal(instrumented.scale_table.log2_scales.numpy(), before)
-    assert int(optimizer.skipped_steps) == 10
-
-
-def test_make_train_step_does_not_back_off_on_nan_batches():
-    model = _head(_backbone(), "m")
-    instrumented = tas.instrument(model)
-    optimizer = _per_layer()
-    step = tas.make_train_step(instrumented, "mse", optimizer)
-    x, y = _data((8, 6)), _data((8, 3), 1)
-    step(x, y)
-    before = instrumented.scale_table.log2_scales.numpy().copy()
-    bad = x.copy()
-    bad[0, 0] = np.nan
-    for _ in range(5):
-        step(bad, y)
-    np.testing.assert_array_equal(instrumented.scale_table.log2_scales.numpy(), before)
-
-
-_SAVE = """
-import sys, numpy as np, keras, tf_adaptive_scale as tas
-keras.utils.set_random_seed(0)
-x = keras.Input((6,))
-model = keras.Model(x, keras.layers.Dense(2)(keras.layers.Dense(8, activation="tanh")(x)))
-inst = tas.instrument(model)
-inst.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), scaling="per_layer"), "mse")
-data = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
-inst.fit(data, data[:, :2], batch_size=8, epochs=2, verbose=0)
-inst.scale_table.log2_scales.assign(np.array([0, 3, -2, 5], "float32")[: len(inst.scale_table.unit_names)])
-inst.save(sys.argv[1])
-table = inst.scale_table
-np.save(sys.argv[1] + ".npy", np.concatenate([np.ravel(v.numpy()) for v in (
-    table.log2_scales, table.log2_ceilings, table.measure, table.statistics)]))
-"""
-
-_LOAD = """
-import sys, numpy as np, keras, tf_adaptive_scale as tas
-inst = keras.models.load_model(sys.argv[1])
-table = inst.scale_table
-got = np.concatenate([np.ravel(v.numpy()) for v in (table.log2_scales, table.log2_ceilings, table.measure, table.statistics)])
-np.testing.assert_array_equal(got, np.load(sys.argv[1] + ".npy"))
-data = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
-inst.fit(data, data[:, :2], batch_size=8, epochs=1, verbose=0)
-assert int(inst.optimizer.skipped_steps.numpy()) == 0
-print("loaded", keras.backend.backend())
-"""
-
-
-@pytest.mark.parametrize("save_on, load_on", [("tensorflow", "jax"), ("jax", "tensorflow")])
-def test_instrumented_model_loads_on_the_other_backend(tmp_path, save_on, load_on):
-    # The scale state is trainable on JAX only; Keras saved trainable
-    # variables first, so the other backend read them in the wrong order.
-    path = str(tmp_path / "model.keras")
-    for code, backend in ((_SAVE, save_on), (_LOAD, load_on)):
-        result = subprocess.run(
-            [sys.executable, "-c", code, path], env=child_env(KERAS_BACKEND=backend),
-            capture_output=True, text=True, timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert f"loaded {load_on}" in result.stdout

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
-from model_zoo import FAMILIES, build
+from helpers import FAMILIES, build, set_random_scales
 
 
 def seed_states(model):
@@ -45,11 +45,7 @@ def unscaled(instrumented, x, y):
 def test_exact_in_float32_with_random_scales(family):
     model, x, y = build(family, "float32")
     instrumented = tas.instrument(model)
-    table = instrumented.scale_table
-    rng = np.random.default_rng(0)
-    log2 = rng.integers(-12, 13, len(table.unit_names)).astype("float32")
-    log2[0] = 0.0
-    table.log2_scales.assign(log2)
+    set_random_scales(instrumented, 0, 12)
     forward = keras.tree.flatten(model(x)), keras.tree.flatten(instrumented(x))
     for a, b in zip(*forward):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)

@@ -9,10 +9,10 @@ import tensorflow as tf
 from keras import layers
 
 import tf_adaptive_scale as tas
+from helpers import normal, set_random_scales
 
 
-def _data(shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+_data = normal
 
 
 def _tokens(shape, vocabulary, seed=0):
@@ -61,10 +61,7 @@ def assert_exact(model, x, y, seed=0):
     instrumented = _instrument(model)
     _assert_forward_equal(model, instrumented, x)
     table = instrumented.scale_table
-    log2 = np.random.default_rng(seed).integers(-12, 13, len(table.unit_names))
-    log2 = log2.astype("float32")
-    log2[0] = 0.0
-    table.log2_scales.assign(log2)
+    log2 = set_random_scales(instrumented, seed, 12)
     weights = [
         v for v in instrumented.trainable_variables if table.unit_of(v) is not None
     ]

@@ -12,28 +12,13 @@ import tensorflow as tf
 
 import tf_adaptive_scale as tas
 from tf_adaptive_scale import monitor as monitor_lib
-
-
-def mlp(width=16, depth=2, activation="relu", inputs=8, seed=0):
-    keras.utils.set_random_seed(seed)
-    x = keras.Input((inputs,))
-    h = x
-    for i in range(depth):
-        h = keras.layers.Dense(width, activation=activation, name=f"hidden_{i}")(h)
-    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+from helpers import named_mlp, run_python
 
 
 def data(n=64, inputs=8, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, inputs)).astype("float32")
     return x, (x[:, :1] * 0.5).astype("float32")
-
-
-@pytest.fixture
-def float16_policy():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def fit(model, monitor, steps_per_execution=1, epochs=2, update_every=5, **opt_args):
@@ -45,7 +30,7 @@ def fit(model, monitor, steps_per_execution=1, epochs=2, update_every=5, **opt_a
 
 
 def test_history_has_the_documented_keys_with_the_optimizer_values(float16_policy, tmp_path):
-    model = mlp()
+    model = named_mlp()
     monitor = tas.ScaleMonitor(every_n_steps=5, log_dir=str(tmp_path), verbose=0)
     history, opt = fit(model, monitor, clipnorm=1e-3)
     keys = history.history
@@ -67,7 +52,7 @@ def test_history_has_the_documented_keys_with_the_optimizer_values(float16_polic
 def test_layer_norms_equal_an_independent_float32_gradient():
     """Custom loop, float32: the monitor's per-layer norms are those of the
     gradients a separate tape computes."""
-    model = mlp()
+    model = named_mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), scaling="none")
     x, y = data()
     variables = model.trainable_variables
@@ -95,7 +80,7 @@ def test_layer_norms_equal_an_independent_float32_gradient():
 def test_tensorboard_events_hold_the_recorded_values(float16_policy, tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
-    model = mlp()
+    model = named_mlp()
     monitor = tas.ScaleMonitor(every_n_steps=4, log_dir=str(tmp_path), verbose=0)
     fit(model, monitor)
     events = event_accumulator.EventAccumulator(
@@ -121,7 +106,7 @@ def test_tensorboard_events_hold_the_recorded_values(float16_policy, tmp_path):
 
 
 def test_steps_per_execution_reports_on_schedule(float16_policy):
-    model = mlp()
+    model = named_mlp()
     monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
     history, opt = fit(model, monitor, steps_per_execution=4, epochs=2)
     # 8 steps an epoch, executions of 4: reports every 4 steps, 16 in all.
@@ -133,7 +118,7 @@ def test_steps_per_execution_reports_on_schedule(float16_policy):
 def test_statistics_are_computed_only_on_measured_steps(float16_policy):
     """Counted, not timed: the per-variable statistics run once per measured
     step however often the monitor reads them."""
-    model = mlp()
+    model = named_mlp()
     monitor = tas.ScaleMonitor(every_n_steps=1, verbose=0)
     _, opt = fit(model, monitor, epochs=4, update_every=10)  # 32 steps
     assert int(opt.measurements) == 4  # steps 0, 10, 20, 30
@@ -143,7 +128,7 @@ def test_statistics_are_computed_only_on_measured_steps(float16_policy):
 
 
 def test_per_layer_mode_reports_each_unit_scale(float16_policy):
-    model = tas.instrument(mlp())
+    model = tas.instrument(named_mlp())
     monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), scaling="per_layer",
                                          update_every=4)
@@ -158,12 +143,7 @@ def test_per_layer_mode_reports_each_unit_scale(float16_policy):
 
 
 def deep_sigmoid(depth=14):
-    keras.utils.set_random_seed(0)
-    x = keras.Input((8,))
-    h = x
-    for i in range(depth):
-        h = keras.layers.Dense(8, activation="sigmoid", name=f"sig_{i}")(h)
-    return keras.Model(x, keras.layers.Dense(1, name="head")(h))
+    return named_mlp(inputs=8, width=8, depth=depth, activation="sigmoid", prefix="sig", seed=0)
 
 
 def test_vanishing_gradients_are_flagged_at_the_early_layers(float16_policy):
@@ -179,13 +159,13 @@ def test_a_healthy_run_warns_nothing(float16_policy):
     monitor = tas.ScaleMonitor(every_n_steps=2, verbose=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        fit(mlp(), monitor, epochs=4, update_every=2)
+        fit(named_mlp(), monitor, epochs=4, update_every=2)
     assert monitor.flags == []
     assert "No layer flagged" in monitor.summary()
 
 
 def test_exploding_gradient_is_flagged_naming_the_layer():
-    model = mlp()
+    model = named_mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-3), update_every=1)
     monitor = tas.ScaleMonitor(optimizer=opt, verbose=0)
     x, y = data()
@@ -250,7 +230,7 @@ def test_config_round_trips():
 def test_bfloat16_reports_norms_without_float16_fractions():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        model = mlp()
+        model = named_mlp()
         monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
         history, opt = fit(model, monitor, epochs=1, update_every=4)
     finally:
@@ -265,11 +245,6 @@ def test_bfloat16_reports_norms_without_float16_fractions():
 def test_monitor_writes_tensorboard_logs_without_the_tensorboard_package(tmp_path):
     # The demo's extra does not install tensorboard; tf.summary.scalar
     # needs it, the monitor's own writer does not.
-    import subprocess
-    import sys
-
-    from child_process import ROOT, child_env
-
     script = f"""
 import sys
 sys.modules["tensorboard"] = None  # as if not installed
@@ -281,7 +256,5 @@ model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
 model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0,
           callbacks=[tas.ScaleMonitor(every_n_steps=1, log_dir={str(tmp_path)!r}, verbose=0)])
 """
-    proc = subprocess.run([sys.executable, "-c", script], env=child_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python("-c", script)
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())

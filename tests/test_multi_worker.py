@@ -48,7 +48,7 @@ import time
 import numpy as np
 import pytest
 
-from child_process import ROOT, child_env
+from helpers import ROOT, child_env
 
 WORKER = os.path.join(ROOT, "tests", "multi_worker_worker.py")
 TIMEOUT_S = 150
@@ -187,65 +187,65 @@ def assert_matches_single_process(worker, single, rtol, atol):
         assert not _allclose(wrong, single["weights"], rtol, atol), factor
 
 
-def test_workers_form_one_two_replica_cluster():
-    results, failure = _run_all()
-    if failure:
-        pytest.fail(failure)
-    for i in range(2):
-        assert results[f"worker{i}"]["task_index"] == i
-        assert results[f"worker{i}"]["num_replicas_in_sync"] == 2
+class TestTwoWorkersAndOneProcess:
+    """The three processes run once (`_run_all`); one worker runs this class."""
 
+    def test_workers_form_one_two_replica_cluster(self):
+        results, failure = _run_all()
+        if failure:
+            pytest.fail(failure)
+        for i in range(2):
+            assert results[f"worker{i}"]["task_index"] == i
+            assert results[f"worker{i}"]["num_replicas_in_sync"] == 2
 
-def test_fixed_scales_fp32_workers_agree_and_match_single_process():
-    w0, w1, single = _scenario("fixed_scales_fp32")
-    assert_workers_identical(w0, w1)
-    # The assigned scales stayed fixed, the same on workers and reference.
-    assigned = single["assigned_log2_scales"]
-    assert any(v != 0.0 for v in assigned[1:])  # not trivially scale 1
-    assert w0["log2_scales"] == single["log2_scales"] == assigned
-    assert w0["layer_scales"] == single["layer_scales"]
-    assert_matches_single_process(w0, single, rtol=1e-5, atol=1e-6)
+    def test_fixed_scales_fp32_workers_agree_and_match_single_process(self):
+        w0, w1, single = _scenario("fixed_scales_fp32")
+        assert_workers_identical(w0, w1)
+        # The assigned scales stayed fixed, the same on workers and reference.
+        assigned = single["assigned_log2_scales"]
+        assert any(v != 0.0 for v in assigned[1:])  # not trivially scale 1
+        assert w0["log2_scales"] == single["log2_scales"] == assigned
+        assert w0["layer_scales"] == single["layer_scales"]
+        assert_matches_single_process(w0, single, rtol=1e-5, atol=1e-6)
 
+    def test_measured_fp16_workers_agree_and_match_single_process(self):
+        w0, w1, single = _scenario("measured_fp16")
+        assert_workers_identical(w0, w1)
+        assert all(np.all(np.isfinite(w)) for w in w0["weights"])
+        # The scales were measured (they left their initial 1) ...
+        assert any(v != 1.0 for v in single["layer_scales"].values())
+        # ... and equal the single process's (see the module docstring).
+        assert w0["layer_scales"] == single["layer_scales"]
+        assert w0["log2_ceilings"] == single["log2_ceilings"]
+        # float16 rounding of per-shard computations: close, not exact.
+        assert_matches_single_process(w0, single, rtol=1e-2, atol=1e-3)
 
-def test_measured_fp16_workers_agree_and_match_single_process():
-    w0, w1, single = _scenario("measured_fp16")
-    assert_workers_identical(w0, w1)
-    assert all(np.all(np.isfinite(w)) for w in w0["weights"])
-    # The scales were measured (they left their initial 1) ...
-    assert any(v != 1.0 for v in single["layer_scales"].values())
-    # ... and equal the single process's (see the module docstring).
-    assert w0["layer_scales"] == single["layer_scales"]
-    assert w0["log2_ceilings"] == single["log2_ceilings"]
-    # float16 rounding of per-shard computations: close, not exact.
-    assert_matches_single_process(w0, single, rtol=1e-2, atol=1e-3)
-
-
-def test_overflow_on_one_worker_skips_step_on_both():
-    w0, w1 = _scenario("overflow_fp16", processes=("worker0", "worker1"))
-    # The setup: worker 0 has the clean half, worker 1 the 1e4 half, and
-    # only worker 1's own float16 gradients overflow.
-    assert w0["shard_max_abs"] < 1.0
-    assert w1["shard_max_abs"] == 1e4
-    assert w0["local_grads_finite"] is True
-    assert w1["local_grads_finite"] is False
-    # Skipped on both workers.
-    for w in (w0, w1):
-        assert w["weights_bitwise_unchanged"]
-        assert w["skipped_steps"] == 1
-        assert w["total_steps"] == 1
-        assert w["iterations"] == 0
-        assert w["last_step_finite"] is False
-    # The same scales and caps on both, with the overflow backed off.
-    assert_workers_identical(w0, w1)
-    start = w0["initial_log2_scales"]
-    assert any(s < b for s, b in zip(w0["log2_scales"][1:], start[1:]))
-    assert any(c < 15.0 for c in w0["log2_ceilings"][1:])
-    # The next, clean step is applied, alike on both.
-    a0, a1 = w0["after_clean_step"], w1["after_clean_step"]
-    for a in (a0, a1):
-        assert a["weights_changed"]
-        assert a["last_step_finite"] is True
-        assert a["skipped_steps"] == 1
-        assert a["iterations"] == 1
-        assert a["total_steps"] == 2
-    assert_workers_identical(a0, a1)
+    def test_overflow_on_one_worker_skips_step_on_both(self):
+        w0, w1 = _scenario("overflow_fp16", processes=("worker0", "worker1"))
+        # The setup: worker 0 has the clean half, worker 1 the 1e4 half, and
+        # only worker 1's own float16 gradients overflow.
+        assert w0["shard_max_abs"] < 1.0
+        assert w1["shard_max_abs"] == 1e4
+        assert w0["local_grads_finite"] is True
+        assert w1["local_grads_finite"] is False
+        # Skipped on both workers.
+        for w in (w0, w1):
+            assert w["weights_bitwise_unchanged"]
+            assert w["skipped_steps"] == 1
+            assert w["total_steps"] == 1
+            assert w["iterations"] == 0
+            assert w["last_step_finite"] is False
+        # The same scales and caps on both, with the overflow backed off.
+        assert_workers_identical(w0, w1)
+        start = w0["initial_log2_scales"]
+        assert any(s < b for s, b in zip(w0["log2_scales"][1:], start[1:]))
+        assert any(c < 15.0 for c in w0["log2_ceilings"][1:])
+        # The next, clean step is applied, alike on both.
+        a0, a1 = w0["after_clean_step"], w1["after_clean_step"]
+        for a in (a0, a1):
+            assert a["weights_changed"]
+            assert a["last_step_finite"] is True
+            assert a["skipped_steps"] == 1
+            assert a["iterations"] == 1
+            assert a["total_steps"] == 2
+        assert_workers_identical(a0, a1)

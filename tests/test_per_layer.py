@@ -1,7 +1,14 @@
 """Per-layer scaling in training: the rule, statistics on update steps only,
-overflow attribution, fit/XLA, custom loops, save/load and checkpoints."""
+overflow attribution, fit/XLA, custom loops (the README's, make_train_step),
+float64 models, save/load, checkpoints and a model saved on one backend
+loaded on the other. (A unit far below the loss, beyond the global bound:
+`test_fit.py`, on both backends.)"""
 
+import contextlib
+import inspect
+import io
 import math
+import os
 import re
 
 import numpy as np
@@ -12,7 +19,7 @@ import tensorflow as tf
 import tf_adaptive_scale as tas
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as gs
-from model_zoo import build
+from helpers import build, head_on, normal, run_python, set_random_scales, shared_backbone
 
 
 def per_layer_optimizer(inner=None, **kwargs):
@@ -282,8 +289,10 @@ def conv_net():
 
 def hlo_step(model, optimizer, x, y):
     """The optimized XLA program of one training step (model.fit's)."""
-    model.compile(optimizer, "mse", jit_compile=True)
-    model.train_on_batch(x, y)  # builds everything
+    # Builds everything; without XLA, which compiles the step below (the
+    # program is the same as after an XLA `train_on_batch`, checked).
+    model.compile(optimizer, "mse", jit_compile=False)
+    model.train_on_batch(x, y)
 
     @tf.function(jit_compile=True)
     def step(xb, yb):
@@ -470,9 +479,7 @@ def test_subclassed_model_with_instrumented_blocks_is_exact():
     np.testing.assert_allclose(net(x), plain(x), rtol=1e-6)
     rng = np.random.default_rng(1)
     for block in (net.encoder, net.decoder):
-        log2 = rng.integers(-10, 11, len(block.scale_table.unit_names)).astype("float32")
-        log2[0] = 0
-        block.scale_table.log2_scales.assign(log2)
+        set_random_scales(block, rng, 10)
 
     def grads(model):
         with tf.GradientTape() as tape:
@@ -567,54 +574,138 @@ def test_weight_gradient_sum_overflow_steps_down_far_enough_at_once():
     assert table.log2_scales.numpy()[1] == -7
 
 
-class Attenuate(keras.layers.Layer):
-    """The identity, whose backward multiplies the gradient by 2**-36."""
-
-    def call(self, x):
-        @tf.custom_gradient
-        def attenuate(x):
-            return tf.identity(x), lambda dy: dy * 2.0**-36
-
-        return attenuate(x)
+# ------------------------- moved from test_gradient_paths (TensorFlow only)
 
 
-def attenuated_model(policy):
-    keras.mixed_precision.set_global_policy(policy)
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16, name="below"),
-        # float32, so the attenuation itself is exact; the units below it
-        # get gradients 2**-36 smaller than the units above.
-        Attenuate(dtype="float32", name="attenuate"),
-        keras.layers.Dense(16, name="above", trainable=False),
-        keras.layers.Dense(1, name="head", trainable=False),
-    ])
-    return model
-
-
-def test_a_unit_far_below_the_loss_gets_a_scale_beyond_the_global_bound():
-    x = np.random.default_rng(0).standard_normal((32, 8)).astype("float32")
-    y = np.ones((32, 1), "float32")
-    reference = attenuated_model("float32")
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(reference(x) - y))
-    (kernel_grad, bias_grad) = tape.gradient(loss, reference.trainable_variables)
-    assert 0 < np.abs(kernel_grad).max() < 2.0**-30  # no float16 scale of 2**24 reaches it
-
-    model = attenuated_model("mixed_float16")
-    model.set_weights(reference.get_weights())
+def test_float64_models_are_converted_exactly():
+    # Boundaries rounded every float64 gradient to float32.
+    keras.mixed_precision.set_global_policy("float64")
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4,))
+    h = keras.layers.Dense(5, activation="tanh")(x)
+    model = keras.Model(x, keras.layers.Dense(2)(h))
     inst = tas.instrument(model)
-    opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=100)
-    inst.compile(opt, "mse", jit_compile=True)
-    for _ in range(6):  # all underflowed at scale 1: rises 2**8 per step, then the rule
-        inst.train_on_batch(x, y)
-    assert inst.layer_scales()["below"] > 2.0**40
-    lr = 2.0**30
-    opt.inner_optimizer.learning_rate.assign(lr)
-    before = model.get_layer("below").get_weights()
-    inst.train_on_batch(x, y)
-    after = model.get_layer("below").get_weights()
-    for b, a, g in zip(before, after, (kernel_grad, bias_grad)):
-        np.testing.assert_allclose((b - a) / lr, g, rtol=2e-2, atol=2e-2 * np.abs(g).max())
-    assert int(opt.skipped_steps) == 0
+    set_random_scales(inst, 8, 8)
+    data = tf.constant(np.random.default_rng(0).standard_normal((8, 4)))
+    table = inst.scale_table
+
+    def grads(m):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(m(data) * 1.234567891))
+        return tape.gradient(loss, model.trainable_weights)
+
+    reference = grads(model)
+    for v, g, r in zip(model.trainable_weights, grads(inst), reference):
+        assert g.dtype == tf.float64
+        scale = 2.0 ** float(table.log2_scales.numpy()[table.unit_of(v)])
+        np.testing.assert_array_equal(g.numpy() / scale, r.numpy())
+
+
+def _readme_per_layer_loop():
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        text = f.read()
+    blocks = text.split("```python")[1:]
+    (code,) = [b.split("```")[0] for b in blocks if "optimizer.build(instrumented" in b]
+    return "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())
+
+
+def test_readme_per_layer_loop_does_not_back_off_on_nan_batches():
+    # The loop called no scale_loss/observe_loss: a NaN batch counted as an
+    # overflow and backed every unit off a binade.
+    model = head_on(shared_backbone(), "m")
+    instrumented = tas.instrument(model)
+    optimizer = per_layer_optimizer(keras.optimizers.SGD(0.1))
+    namespace = {
+        "tf": tf, "instrumented": instrumented, "optimizer": optimizer,
+        "loss_fn": keras.losses.MeanSquaredError(),
+    }
+    exec(_readme_per_layer_loop(), namespace)
+    x, y = normal((8, 6)), normal((8, 3), 1)
+    namespace["train_step"](x, y)  # calibrates
+    before = instrumented.scale_table.log2_scales.numpy().copy()
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    for _ in range(10):
+        namespace["train_step"](bad, y)
+    np.testing.assert_array_equal(instrumented.scale_table.log2_scales.numpy(), before)
+    assert int(optimizer.skipped_steps) == 10
+
+
+def test_make_train_step_does_not_back_off_on_nan_batches():
+    model = head_on(shared_backbone(), "m")
+    instrumented = tas.instrument(model)
+    optimizer = per_layer_optimizer(keras.optimizers.SGD(0.1))
+    step = tas.make_train_step(instrumented, "mse", optimizer)
+    x, y = normal((8, 6)), normal((8, 3), 1)
+    step(x, y)
+    before = instrumented.scale_table.log2_scales.numpy().copy()
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    for _ in range(5):
+        step(bad, y)
+    np.testing.assert_array_equal(instrumented.scale_table.log2_scales.numpy(), before)
+
+
+def _save_instrumented(path):
+    """Trains an instrumented model, sets unequal unit scales and saves it,
+    and its scale state (to compare) next to it."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    model = keras.Model(x, keras.layers.Dense(2)(keras.layers.Dense(8, activation="tanh")(x)))
+    inst = tas.instrument(model)
+    inst.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), scaling="per_layer"), "mse")
+    data = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
+    inst.fit(data, data[:, :2], batch_size=8, epochs=2, verbose=0)
+    inst.scale_table.log2_scales.assign(np.array([0, 3, -2, 5], "float32")[: len(inst.scale_table.unit_names)])
+    inst.save(path)
+    table = inst.scale_table
+    np.save(path + ".npy", np.concatenate([np.ravel(v.numpy()) for v in (
+        table.log2_scales, table.log2_ceilings, table.measure, table.statistics)]))
+
+
+def _load_instrumented(path):
+    """Loads it, checks the scale state and trains on."""
+    inst = keras.models.load_model(path)
+    table = inst.scale_table
+    got = np.concatenate([np.ravel(v.numpy()) for v in (table.log2_scales, table.log2_ceilings, table.measure, table.statistics)])
+    np.testing.assert_array_equal(got, np.load(path + ".npy"))
+    data = np.random.default_rng(0).standard_normal((16, 6)).astype("float32")
+    inst.fit(data, data[:, :2], batch_size=8, epochs=1, verbose=0)
+    assert int(inst.optimizer.skipped_steps.numpy()) == 0
+    print("loaded", keras.backend.backend())
+
+
+# The JAX side, in a child: loads TensorFlow's file, then saves its own.
+_ON_JAX = "\n".join([
+    "import sys, numpy as np, keras, tf_adaptive_scale as tas",
+    inspect.getsource(_save_instrumented),
+    inspect.getsource(_load_instrumented),
+    "_load_instrumented(sys.argv[1])",
+    "_save_instrumented(sys.argv[2])",
+])
+
+
+@pytest.fixture(scope="module")
+def loaded_on_the_other_backend(tmp_path_factory):
+    """`{load_on: what the loading side printed}`: this (TensorFlow)
+    process saves; a JAX child loads that file and saves its own; this
+    process loads JAX's."""
+    where = tmp_path_factory.mktemp("cross_backend")
+    saved = {backend: str(where / f"{backend}.keras") for backend in ("tensorflow", "jax")}
+    _save_instrumented(saved["tensorflow"])
+    jax_out = run_python("-c", _ON_JAX, saved["tensorflow"], saved["jax"], KERAS_BACKEND="jax")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _load_instrumented(saved["jax"])
+    return {"jax": jax_out, "tensorflow": printed.getvalue()}
+
+
+class TestLoadOnTheOtherBackend:
+    """The fixture runs once: one worker runs this class."""
+
+    @pytest.mark.parametrize("save_on, load_on", [("tensorflow", "jax"), ("jax", "tensorflow")])
+    def test_instrumented_model_loads_on_the_other_backend(
+            self, loaded_on_the_other_backend, save_on, load_on):
+        # The scale state is trainable on JAX only; Keras saved trainable
+        # variables first, so the other backend read them in the wrong order.
+        assert f"loaded {load_on}" in loaded_on_the_other_backend[load_on]

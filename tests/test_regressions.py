@@ -7,9 +7,6 @@ the model with the same weights, the same loss, and `tf.GradientTape`.
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,13 +15,9 @@ import tensorflow as tf
 from keras import ops
 
 import tf_adaptive_scale as tas
+from helpers import dense_model, normal as data, run_python
 
 # ----------------------------------------------------------------- helpers
-
-
-def data(shape, seed, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return (scale * rng.standard_normal(shape)).astype("float32")
 
 
 def float32_config(config):
@@ -175,16 +168,8 @@ def test_default_scaling_survives_save_and_load_in_a_float32_process(tmp_path):
     model.save(path)
     np.savez(tmp_path / "data.npz", x=x, y=y)
 
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(tas.__file__)))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        [package_root, os.path.dirname(os.path.abspath(__file__))]
-    ))
-    proc = subprocess.run(
-        [sys.executable, "-c", LOADED_STEP, path, str(tmp_path / "data.npz")],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_python("-c", LOADED_STEP, path, str(tmp_path / "data.npz"), cwd=tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["skipped"] == 0
     assert_sgd_change(
         [np.asarray(c) for c in result["change"]],
@@ -194,13 +179,8 @@ def test_default_scaling_survives_save_and_load_in_a_float32_process(tmp_path):
 
 
 def small_model(dtype=None):
-    return keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, activation="tanh", dtype=dtype),
-            keras.layers.Dense(1, dtype=dtype),
-        ]
-    )
+    return dense_model(4, dict(units=8, activation="tanh", dtype=dtype), dict(units=1, dtype=dtype),
+                       sequential=True)
 
 
 def tiny_gradient_batch(model):
@@ -377,13 +357,7 @@ def test_non_finite_unscaled_gradient_skips_the_step():
 
 
 def float16_layer_model():
-    return keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, activation="tanh", dtype="float16"),
-            keras.layers.Dense(1),
-        ]
-    )
+    return dense_model(4, dict(units=8, activation="tanh", dtype="float16"), 1, sequential=True)
 
 
 @pytest.mark.parametrize(
@@ -457,10 +431,7 @@ def test_inner_gradient_accumulation_is_refused_naming_ours():
 
 
 def two_dense(seed=0):
-    keras.utils.set_random_seed(seed)
-    x = keras.Input((6,))
-    h = keras.layers.Dense(8, activation="tanh", name="d1")(x)
-    return keras.Model(x, keras.layers.Dense(1, name="d2")(h))
+    return dense_model(6, (8, "tanh", "d1"), (1, None, "d2"), seed=seed)
 
 
 @pytest.mark.parametrize(

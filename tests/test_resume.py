@@ -36,7 +36,7 @@ import keras
 import tensorflow as tf
 
 import resume_worker as rw
-from child_process import ROOT, child_env
+from helpers import ROOT, child_env
 
 WORKER = os.path.join(ROOT, "tests", "resume_worker.py")
 
@@ -174,35 +174,38 @@ def _differences(names, expected, got):
     return worst, unequal
 
 
-@pytest.mark.parametrize("fmt", rw.FORMATS)
-@pytest.mark.parametrize("mode", rw.MODES)
-def test_fresh_process_resume_is_bitwise_exact(resumed, mode, fmt):
-    here, arrays = resumed
-    (names, saved), (_, reference) = here[mode]
-    key = f"{mode}/{fmt}"
-    if f"{key}/error" in arrays:
-        pytest.fail(f"{key} raised in the fresh process:\n{arrays[key + '/error']}")
-    if f"{key}/paths" not in arrays:
-        pytest.fail(f"{key}: the fresh process reported nothing")
-    got_names = [str(n) for n in arrays[f"{key}/paths"]]
-    assert len(got_names) == len(names), (got_names, names)
-    # Same variables in the same order (paths may differ in prefixes: Keras
-    # uniquifies names within a process, and slot names of a loaded model
-    # lack the model's name).
-    for got, name in zip(got_names, names):
-        a, b = got.rsplit("/", 1)[-1], name.rsplit("/", 1)[-1]
-        assert a.endswith(b) or b.endswith(a), (got, name)
-    restored = [arrays[f"{key}/restored/{i}"] for i in range(len(names))]
-    final = [arrays[f"{key}/final/{i}"] for i in range(len(names))]
-    at_restore, unequal_restore = _differences(names, saved, restored)
-    at_end, unequal_end = _differences(names, reference, final)
-    print(
-        f"\nresume[{mode}/{fmt}]: {len(names)} variables, "
-        f"max |diff| after restore {at_restore:g}, "
-        f"after {rw.EPOCHS - rw.SAVED_EPOCHS} more epochs {at_end:g}"
-    )
-    assert not unequal_restore, f"restored state differs: {unequal_restore}"
-    assert not unequal_end, f"resumed training differs: {unequal_end}"
+class TestFreshProcessResume:
+    """Every mode and format restored in one fresh process (the `resumed` fixture: one worker runs this class)."""
+
+    @pytest.mark.parametrize("fmt", rw.FORMATS)
+    @pytest.mark.parametrize("mode", rw.MODES)
+    def test_fresh_process_resume_is_bitwise_exact(self, resumed, mode, fmt):
+        here, arrays = resumed
+        (names, saved), (_, reference) = here[mode]
+        key = f"{mode}/{fmt}"
+        if f"{key}/error" in arrays:
+            pytest.fail(f"{key} raised in the fresh process:\n{arrays[key + '/error']}")
+        if f"{key}/paths" not in arrays:
+            pytest.fail(f"{key}: the fresh process reported nothing")
+        got_names = [str(n) for n in arrays[f"{key}/paths"]]
+        assert len(got_names) == len(names), (got_names, names)
+        # Same variables in the same order (paths may differ in prefixes: Keras
+        # uniquifies names within a process, and slot names of a loaded model
+        # lack the model's name).
+        for got, name in zip(got_names, names):
+            a, b = got.rsplit("/", 1)[-1], name.rsplit("/", 1)[-1]
+            assert a.endswith(b) or b.endswith(a), (got, name)
+        restored = [arrays[f"{key}/restored/{i}"] for i in range(len(names))]
+        final = [arrays[f"{key}/final/{i}"] for i in range(len(names))]
+        at_restore, unequal_restore = _differences(names, saved, restored)
+        at_end, unequal_end = _differences(names, reference, final)
+        print(
+            f"\nresume[{mode}/{fmt}]: {len(names)} variables, "
+            f"max |diff| after restore {at_restore:g}, "
+            f"after {rw.EPOCHS - rw.SAVED_EPOCHS} more epochs {at_end:g}"
+        )
+        assert not unequal_restore, f"restored state differs: {unequal_restore}"
+        assert not unequal_end, f"resumed training differs: {unequal_end}"
 
 
 # ---------------------------------------------------------------------------
@@ -249,73 +252,77 @@ def stock_saved(tmp_path_factory):
         keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.mark.parametrize("fmt", ["checkpoint", "checkpoint_unbuilt", "keras"])
-@pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
-def test_stock_loss_scale_checkpoint_restores_into_adaptive(stock_saved, mode, fmt):
-    """What a demanding user migrating from the stock optimizer wants: the
-    restore does not raise; weights and the inner optimizer (iterations,
-    slots) are restored bitwise; the scale is taken over; and, for `.keras`,
-    a warning says the file came from a stock `LossScaleOptimizer` and names
-    the AdaptiveLossScaleOptimizer state it could not restore (that starts
-    fresh). `.keras` files are loaded into the existing model with
-    `model.load_weights`; checkpoints with `tf.train.Checkpoint(...).read`,
-    into a built optimizer or (`checkpoint_unbuilt`) into one built after the
-    read (TensorFlow's deferred restoration), as before the first `fit`."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(rw.RESTORE_SEED)
-    model = rw.make_model(mode)
-    opt = rw.make_optimizer(mode)
-    model.compile(opt, "mse", jit_compile=True)
-    if fmt != "checkpoint_unbuilt":
-        opt.build(model.trainable_variables)
-    problems = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            if fmt == "keras":
-                model.load_weights(stock_saved["keras"])
-            else:
-                tf.train.Checkpoint(model=model, optimizer=opt).read(
-                    stock_saved["checkpoint"]
-                )
-            if not opt.built:
-                opt.build(model.trainable_variables)
-        except Exception as error:  # noqa: BLE001 - reported below
-            problems.append(f"restore raised {type(error).__name__}: {error}")
-    messages = [str(w.message) for w in caught]
-    fresh_only = [
-        v.path.rsplit("/", 1)[-1]
-        for v in opt.variables[: len(opt.variables) - len(opt.inner_optimizer.variables)]
-        if v.path.rsplit("/", 1)[-1] not in STOCK_SHARED
-    ]
+class TestStockCheckpoint:
+    """A stock checkpoint restored into ours (the `stock_saved` fixture: one worker runs this class)."""
 
-    for i, (a, b) in enumerate(zip(stock_saved["weights"], model.get_weights())):
-        if a.tobytes() != b.tobytes():
-            problems.append(f"model weight {i} not restored")
-    inner = opt.inner_optimizer.variables
-    if len(inner) != len(stock_saved["inner"]):
-        problems.append("inner optimizer has another number of variables")
-    for (name, a), v in zip(stock_saved["inner"], inner):
-        if a.tobytes() != np.array(v.numpy()).tobytes():
-            problems.append(f"inner optimizer variable {name} not restored")
-    if float(opt.loss_scale) != stock_saved["scale"]:
-        problems.append(
-            f"scale not taken over: loss_scale={float(opt.loss_scale)}, "
-            f"checkpoint's={stock_saved['scale']}"
-        )
-    explained = [
-        m for m in messages
-        if "LossScaleOptimizer" in m and any(
-            re.search(rf"\b{re.escape(n)}\b", m) for n in fresh_only
-        )
-    ]
-    # tf.train.Checkpoint restores by name, with TensorFlow's partial-restore
-    # semantics (its status object reports what it did not match): only the
-    # `.keras` path, which loads by position, can and does warn.
-    if not explained and fmt == "keras":
-        problems.append(
-            "no warning names the stock LossScaleOptimizer and the state "
-            f"that starts fresh ({', '.join(fresh_only)}); warnings: {messages}"
-        )
-    keras.mixed_precision.set_global_policy("float32")
-    assert not problems, "\n".join(problems)
+    @pytest.mark.parametrize("fmt", ["checkpoint", "checkpoint_unbuilt", "keras"])
+    @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
+    def test_stock_loss_scale_checkpoint_restores_into_adaptive(
+            self, stock_saved, mode, fmt):
+        """What a demanding user migrating from the stock optimizer wants: the
+        restore does not raise; weights and the inner optimizer (iterations,
+        slots) are restored bitwise; the scale is taken over; and, for `.keras`,
+        a warning says the file came from a stock `LossScaleOptimizer` and names
+        the AdaptiveLossScaleOptimizer state it could not restore (that starts
+        fresh). `.keras` files are loaded into the existing model with
+        `model.load_weights`; checkpoints with `tf.train.Checkpoint(...).read`,
+        into a built optimizer or (`checkpoint_unbuilt`) into one built after the
+        read (TensorFlow's deferred restoration), as before the first `fit`."""
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        keras.utils.set_random_seed(rw.RESTORE_SEED)
+        model = rw.make_model(mode)
+        opt = rw.make_optimizer(mode)
+        model.compile(opt, "mse", jit_compile=True)
+        if fmt != "checkpoint_unbuilt":
+            opt.build(model.trainable_variables)
+        problems = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                if fmt == "keras":
+                    model.load_weights(stock_saved["keras"])
+                else:
+                    tf.train.Checkpoint(model=model, optimizer=opt).read(
+                        stock_saved["checkpoint"]
+                    )
+                if not opt.built:
+                    opt.build(model.trainable_variables)
+            except Exception as error:  # noqa: BLE001 - reported below
+                problems.append(f"restore raised {type(error).__name__}: {error}")
+        messages = [str(w.message) for w in caught]
+        fresh_only = [
+            v.path.rsplit("/", 1)[-1]
+            for v in opt.variables[: len(opt.variables) - len(opt.inner_optimizer.variables)]
+            if v.path.rsplit("/", 1)[-1] not in STOCK_SHARED
+        ]
+
+        for i, (a, b) in enumerate(zip(stock_saved["weights"], model.get_weights())):
+            if a.tobytes() != b.tobytes():
+                problems.append(f"model weight {i} not restored")
+        inner = opt.inner_optimizer.variables
+        if len(inner) != len(stock_saved["inner"]):
+            problems.append("inner optimizer has another number of variables")
+        for (name, a), v in zip(stock_saved["inner"], inner):
+            if a.tobytes() != np.array(v.numpy()).tobytes():
+                problems.append(f"inner optimizer variable {name} not restored")
+        if float(opt.loss_scale) != stock_saved["scale"]:
+            problems.append(
+                f"scale not taken over: loss_scale={float(opt.loss_scale)}, "
+                f"checkpoint's={stock_saved['scale']}"
+            )
+        explained = [
+            m for m in messages
+            if "LossScaleOptimizer" in m and any(
+                re.search(rf"\b{re.escape(n)}\b", m) for n in fresh_only
+            )
+        ]
+        # tf.train.Checkpoint restores by name, with TensorFlow's partial-restore
+        # semantics (its status object reports what it did not match): only the
+        # `.keras` path, which loads by position, can and does warn.
+        if not explained and fmt == "keras":
+            problems.append(
+                "no warning names the stock LossScaleOptimizer and the state "
+                f"that starts fresh ({', '.join(fresh_only)}); warnings: {messages}"
+            )
+        keras.mixed_precision.set_global_policy("float32")
+        assert not problems, "\n".join(problems)

@@ -6,24 +6,15 @@ Backend-neutral: runs on TensorFlow and on JAX.
 import numpy as np
 import pytest
 import keras
-from backend_step import stepper
+from helpers import JAX, INF, dense_model, stepper, tensor
 
 import tf_adaptive_scale as tas
-
-JAX = keras.backend.backend() == "jax"
-
-INF = float("inf")
-
 
 def make(opt_kwargs, inner=None, shape=(4,)):
     var = keras.Variable(np.linspace(-1, 1, int(np.prod(shape))).reshape(shape).astype("float32"))
     opt = tas.AdaptiveLossScaleOptimizer(inner or keras.optimizers.SGD(0.1), **opt_kwargs)
     opt.build([var])
     return opt, var
-
-
-def tensor(value):
-    return keras.ops.convert_to_tensor(np.asarray(value, "float32"))
 
 
 def run(opt, var, grads, jit=True):
@@ -100,10 +91,8 @@ def fit_one_step(build_model, optimizer):
     return optimizer
 
 
-def dense_model(dtype=None):
-    return lambda: keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, dtype=dtype), keras.layers.Dense(1)]
-    )
+def dense_factory(dtype=None):
+    return lambda: dense_model(4, dict(units=8, dtype=dtype), 1, sequential=True)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +113,7 @@ def test_default_scaling_follows_what_the_model_computes_in(policy, layer_dtype,
         # JAX resolves at `build`, from the global policy alone: a float16
         # layer in a float32 model needs scaling="adaptive" there.
         expected = "none"
-    fit_one_step(dense_model(layer_dtype), opt)
+    fit_one_step(dense_factory(layer_dtype), opt)
     assert opt.scaling == expected and opt.get_config()["scaling"] == expected
     if expected == "none":
         assert float(opt.loss_scale) == 1.0
@@ -134,7 +123,7 @@ def test_explicit_scaling_is_kept():
     keras.mixed_precision.set_global_policy("mixed_float16")
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="dynamic")
     assert opt.scaling == "dynamic"
-    assert fit_one_step(dense_model(), opt).scaling == "dynamic"
+    assert fit_one_step(dense_factory(), opt).scaling == "dynamic"
 
 
 def known_gradient(scale):

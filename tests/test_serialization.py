@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import dense_model
 
 ALL_ARGUMENTS = dict(
     scaling="adaptive",
@@ -50,7 +51,7 @@ def test_get_config_round_trips_every_argument():
 
 def trained_model(steps=6):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model = dense_model(4, 8, 1, sequential=True)
     opt = tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(1e-2),
         **{**ALL_ARGUMENTS, "autoclip_per_variable": False, "accumulation_steps": 1}
@@ -109,7 +110,7 @@ def test_checkpoint_restores_whole_state_and_resumes(tmp_path):
     expected_state = state(opt)
 
     keras.utils.set_random_seed(7)  # different initial weights
-    fresh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    fresh = dense_model(4, 8, 1, sequential=True)
     fopt = tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(1e-2),
         **{**ALL_ARGUMENTS, "autoclip_per_variable": False, "accumulation_steps": 1}
@@ -129,7 +130,7 @@ def test_a_window_cut_by_a_save_resumes_exactly(tmp_path):
     """Gradient accumulation: the window's sums are optimizer state, saved
     mid-window and restored."""
     x, y = batches()
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model = dense_model(4, 3, 1, sequential=True)
     model.compile(tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(1e-2), scaling="adaptive", accumulation_steps=2), "mse")
     model.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)  # 1.5 windows

@@ -29,15 +29,13 @@ import re
 import keras
 import numpy as np
 import pytest
-from backend_step import stepper
+from helpers import INF, NAN, TF, dense_model, stepper
 
 import tf_adaptive_scale as tas
 
-TF = keras.backend.backend() == "tensorflow"
 if TF:
     import tensorflow as tf
 
-INF, NAN = float("inf"), float("nan")
 # The cheaper compiled path where a scenario does not depend on it: XLA
 # compiles slowly on TensorFlow; JAX runs slowly op by op.
 FAST_JIT = not TF
@@ -541,11 +539,8 @@ def test_config_round_trips_every_stock_argument_form(form):
         assert from_stock.get_config()[key] == stock_config[key], key
 
 
-def dense_model(seed=2):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(6), keras.layers.Dense(1)]
-    )
+def dense_net(seed=2):
+    return dense_model(4, 6, 1, seed=seed, sequential=True)
 
 
 def dense_data(n=24):
@@ -561,7 +556,7 @@ def test_saved_model_reloads_and_continues_as_stock(tmp_path):
     stock, ours = stock_and_ours(keras.optimizers.Adam(0.01), **form)
     models = {}
     for name, optimizer in (("stock", stock), ("ours", ours)):
-        models[name] = dense_model()
+        models[name] = dense_net()
         models[name].compile(optimizer, "mse", jit_compile=FAST_JIT)
         models[name].fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)
     path = str(tmp_path / "ours.keras")
@@ -603,7 +598,7 @@ def test_fit_matches_stock_on_every_trainer_path(path):
     )
     models = {}
     for name, optimizer in (("stock", stock), ("ours", ours)):
-        model = dense_model()
+        model = dense_net()
         model.compile(optimizer, "mse", auto_scale_loss=True, **TRAINER_PATHS[path])
         assert model.optimizer is optimizer  # not wrapped again
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -620,7 +615,7 @@ def test_fit_matches_auto_wrapped_stock():
     defaults trains the same."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = dense_data()
-    stock_model, our_model = dense_model(), dense_model()
+    stock_model, our_model = dense_net(), dense_net()
     stock_model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=FAST_JIT)
     stock = stock_model.optimizer
     assert type(stock) is keras.mixed_precision.LossScaleOptimizer
@@ -639,13 +634,10 @@ def test_fit_matches_auto_wrapped_stock():
 
 def train_second_model(optimizer, units):
     x, y = dense_data(8)
-    first = dense_model()
+    first = dense_net()
     first.compile(optimizer, "mse", jit_compile=FAST_JIT)
     first.fit(x, y, batch_size=4, verbose=0)
-    keras.utils.set_random_seed(3)
-    second = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(units), keras.layers.Dense(1)]
-    )
+    second = dense_model(4, units, 1, seed=3, sequential=True)
     second.compile(optimizer, "mse", jit_compile=FAST_JIT)
     with pytest.raises(ValueError) as raised:
         second.fit(x, y, batch_size=4, verbose=0)

@@ -9,26 +9,16 @@ import pytest
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import dense_model
 
 BATCH = 16
 STEPS = 6
 
 
-@pytest.fixture
-def float16_policy():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def make_model(seed=0, middle_activation="relu"):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((6,))
-    h = keras.layers.Dense(16, activation="tanh", name="hidden",
-                           kernel_regularizer=keras.regularizers.L2(1e-3))(inputs)
-    h = keras.layers.Dense(8, activation=middle_activation, name="middle")(h)
-    outputs = keras.layers.Dense(1, name="head")(h)
-    return keras.Model(inputs, outputs)
+    hidden = dict(units=16, activation="tanh", name="hidden",
+                  kernel_regularizer=keras.regularizers.L2(1e-3))
+    return dense_model(6, hidden, (8, middle_activation, "middle"), (1, None, "head"), seed=seed)
 
 
 def data(seed=0, n=BATCH * STEPS):

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import dense_model
 
 
 def data(n=64, d=8):
@@ -16,10 +17,7 @@ def data(n=64, d=8):
 
 
 def mlp(d=8):
-    keras.utils.set_random_seed(1)
-    return keras.Sequential(
-        [keras.Input((d,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
-    )
+    return dense_model(d, (16, "relu"), 1, seed=1, sequential=True)
 
 
 def fit_pair(ours, stock, jit, epochs=2):
