@@ -33,6 +33,12 @@ if TENSORFLOW:
         """Whether a `tf.distribute` strategy is in scope."""
         return tf.distribute.has_strategy()
 
+    # The optimizer's entry points, called from a user's `tf.function`, run
+    # as written: AutoGraph would otherwise rewrite every function of the
+    # package they call (it skips Keras's and TensorFlow's own), which made
+    # tracing a step several seconds longer. Conditionals are `ops.cond`.
+    not_converted = tf.autograph.experimental.do_not_convert
+
 else:
     import jax
 
@@ -71,6 +77,10 @@ else:
     def has_strategy():
         """No `tf.distribute` off TensorFlow."""
         return False
+
+    def not_converted(fn):
+        """No AutoGraph off TensorFlow."""
+        return fn
 
 
 def already_unscaled(grads):

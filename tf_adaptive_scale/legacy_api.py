@@ -12,6 +12,7 @@ class LegacyLossScaleAPI:
     """Mixed into `AdaptiveLossScaleOptimizer`: the tf-keras names, on top
     of its `scale_loss`, `dynamic_scale` and `policy`."""
 
+    @backends.not_converted
     def get_scaled_loss(self, loss):
         """Legacy tf-keras name of `scale_loss` (`loss` may be a callable).
 
@@ -25,6 +26,7 @@ class LegacyLossScaleAPI:
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
+    @backends.not_converted
     def get_unscaled_gradients(self, grads):
         """Legacy tf-keras API: divides `grads` by the current scale.
 

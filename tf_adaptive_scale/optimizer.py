@@ -158,6 +158,7 @@ class AdaptiveLossScaleOptimizer(
         """The current global loss scale (a float32 variable)."""
         return self.dynamic_scale
 
+    @backends.not_converted
     def scale_loss(self, loss):
         """Multiplies `loss` (a tensor or a number) by the current scale, in
         its float dtype (float32 for a number), noting for the next `apply`
@@ -169,6 +170,7 @@ class AdaptiveLossScaleOptimizer(
         self.loss_scale_used.assign(scale)
         return ops.cast(ops.cast(loss, "float32") * scale, loss.dtype)
 
+    @backends.not_converted
     def observe_loss(self, loss):
         """Notes whether `loss` is finite for the next `apply` (what
         `scale_loss` does besides scaling, for losses scaled elsewhere)."""
@@ -177,6 +179,7 @@ class AdaptiveLossScaleOptimizer(
             ops.cast(ops.logical_not(ops.all(ops.isfinite(_float_tensor(loss)))), "float32")
         )
 
+    @backends.not_converted
     def apply(self, grads, trainable_variables=None):
         """Checks, unscales, clips and applies `grads` (of the scaled loss;
         None entries ignored) to `trainable_variables` (optional once built),

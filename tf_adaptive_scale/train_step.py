@@ -118,12 +118,12 @@ class _TrainStep:
         the traced step `__call__` runs."""
         if not self._distributed:
             return self._gradients, tf.function(
-                self._replica_step, jit_compile=jit_compile
+                self._replica_step, jit_compile=jit_compile, autograph=False
             )
         # The optimizer's cross-replica step cannot run inside XLA.
         return (
-            tf.function(self._gradients, jit_compile=jit_compile),
-            tf.function(self._distributed_step),
+            tf.function(self._gradients, jit_compile=jit_compile, autograph=False),
+            tf.function(self._distributed_step, autograph=False),
         )
 
     def __call__(self, x, y, sample_weight=None):
