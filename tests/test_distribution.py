@@ -288,26 +288,30 @@ class TestFirstWorkerProcess:
 
     @pytest.mark.parametrize("model", ["plain", "instrumented", "default"])
     def test_make_train_step_under_the_strategy_matches_one_device(self, model):
-        r = _scenario("train_step_mirrored")[model]
-        mirrored, single = r["mirrored"], r["single"]
-        assert mirrored["tracing_count"] == single["tracing_count"] == 1
-        assert mirrored["total_steps"] == single["total_steps"] == 5
-        assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
-        np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
         # float32: the same update to rounding; a doubled or halved one fails.
-        assert_same_weight_changes(mirrored, single, r["initial"], rtol=1e-4, share=1e-4,
-                                   moved_more_than=1e-3)
+        _assert_mirrored_matches_single(
+            _scenario("train_step_mirrored")[model], moved_more_than=1e-3,
+            tracing_count=1, total_steps=5, skipped_steps=0,
+        )
 
     def test_fit_accumulation_under_the_strategy_matches_one_device(self):
-        r = _scenario("equivalence_accumulation")
-        mirrored, single = r["mirrored"], r["single"]
         # Five batches, windows of two: two applied windows, one pending.
-        assert mirrored["total_steps"] == single["total_steps"] == 2
-        assert mirrored["iterations"] == single["iterations"] == 2
-        assert mirrored["skipped_steps"] == single["skipped_steps"] == 0
-        np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
-        assert_same_weight_changes(mirrored, single, r["initial"], rtol=1e-4, share=1e-4,
-                                   moved_more_than=1e-4)
+        _assert_mirrored_matches_single(
+            _scenario("equivalence_accumulation"), moved_more_than=1e-4,
+            total_steps=2, iterations=2, skipped_steps=0,
+        )
+
+
+def _assert_mirrored_matches_single(r, moved_more_than, **counters):
+    """The mirrored run's `counters` equal the single-device run's and the
+    values given; its losses and weight changes equal the single-device
+    run's to float32 rounding."""
+    mirrored, single = r["mirrored"], r["single"]
+    for name, value in counters.items():
+        assert mirrored[name] == single[name] == value, name
+    np.testing.assert_allclose(mirrored["losses"], single["losses"], rtol=1e-5)
+    assert_same_weight_changes(mirrored, single, r["initial"], rtol=1e-4, share=1e-4,
+                               moved_more_than=moved_more_than)
 
 
 class TestSecondWorkerProcess:

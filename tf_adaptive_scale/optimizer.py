@@ -79,11 +79,10 @@ class AdaptiveLossScaleOptimizer(
         self.global_clipnorm = settings.global_clipnorm
         self._clippers = self.settings.clipping_chain()
         self._policy = None
-        # Made before `build`, so that `scale_loss` reads variables from the
-        # first trace on: the scale; the non-finite losses noted since the
-        # last step (summed over replicas: bad data, not an overflow); the
-        # scale the loss was multiplied by (0: none; the mode may be resolved
-        # between `scale_loss` and `apply`).
+        # Made before `build`, for `scale_loss`'s first trace: the scale, the
+        # non-finite losses since the last step (summed over replicas: bad
+        # data), the scale the loss was multiplied by (0: none; the mode may
+        # be resolved between `scale_loss` and `apply`).
         self.dynamic_scale = self._add_state("dynamic_scale", self.initial_scale)
         self.non_finite_losses = self._add_state("non_finite_losses", 0.0, aggregation="sum")
         self.loss_scale_used = self._add_state("loss_scale_used", 0.0)
@@ -92,16 +91,15 @@ class AdaptiveLossScaleOptimizer(
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
 
     def __getattr__(self, name):
-        # Reached only when ordinary lookup fails: the arguments, read from
-        # the settings (`__dict__`: `settings` may not be set yet).
+        # Only when ordinary lookup fails: the arguments, from the settings.
         settings = self.__dict__.get("settings")
         if settings is not None and name in settings_lib.NAMES:
             return getattr(settings, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def _add_state(self, name, value, shape=(), dtype="float32", aggregation="only_first_replica"):
-        """A new state variable, saved with the optimizer and read as its
-        attribute `name` (a named TensorFlow checkpoint dependency, as stock's)."""
+        """A state variable, saved with the optimizer, read as attribute
+        `name` (a named TensorFlow checkpoint dependency, as stock's)."""
         initializer = keras.initializers.Constant(value)
         variable = self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
                                      aggregation=aggregation, name=name)
@@ -175,9 +173,8 @@ class AdaptiveLossScaleOptimizer(
         """Notes whether `loss` is finite for the next `apply` (what
         `scale_loss` does besides scaling, for losses scaled elsewhere)."""
         # Summed over replicas: a non-finite loss on any one is noted.
-        self.non_finite_losses.assign(
-            ops.cast(ops.logical_not(ops.all(ops.isfinite(_float_tensor(loss)))), "float32")
-        )
+        finite = ops.all(ops.isfinite(_float_tensor(loss)))
+        self.non_finite_losses.assign(ops.cast(ops.logical_not(finite), "float32"))
 
     @backends.not_converted
     def apply(self, grads, trainable_variables=None):
