@@ -34,6 +34,7 @@ def make_train_step(
     batch (for a loss that averages over the samples, as Keras's default
     `"sum_over_batch_size"` does). An empty batch (a dataset's last, say) is
     skipped: no weight or optimizer slot changes; `skipped_steps` counts it.
+    As in `model.fit`, AutoGraph is off: branch on tensors with `ops.cond`.
 
     Args:
         model: A built Keras model, plain or made by `tas.instrument`.
@@ -67,10 +68,8 @@ def make_train_step(
     >>> for x, y in dataset:
     ...     logs = step(x, y)
     """
-    return _TrainStep(
-        model, loss_fn, optimizer, jit_compile=jit_compile,
-        accumulation_steps=accumulation_steps, strategy=strategy,
-    )
+    return _TrainStep(model, loss_fn, optimizer, jit_compile=jit_compile,
+                      accumulation_steps=accumulation_steps, strategy=strategy)
 
 
 class _TrainStep:
