@@ -81,8 +81,8 @@ class AdaptiveLossScaleOptimizer(
         self._policy = None
         # Made before `build`, for `scale_loss`'s first trace: the scale, the
         # non-finite losses since the last step (summed over replicas: bad
-        # data), the scale the loss was multiplied by (0: none; the mode may
-        # be resolved between `scale_loss` and `apply`).
+        # data, not an overflow), the scale the loss was multiplied by (0:
+        # none; the mode may be resolved between `scale_loss` and `apply`).
         self.dynamic_scale = self._add_state("dynamic_scale", self.initial_scale)
         self.non_finite_losses = self._add_state("non_finite_losses", 0.0, aggregation="sum")
         self.loss_scale_used = self._add_state("loss_scale_used", 0.0)
@@ -91,7 +91,7 @@ class AdaptiveLossScaleOptimizer(
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
 
     def __getattr__(self, name):
-        # Only when ordinary lookup fails: the arguments, from the settings.
+        # Only when ordinary lookup fails; `__dict__`: `settings` may not be set yet.
         settings = self.__dict__.get("settings")
         if settings is not None and name in settings_lib.NAMES:
             return getattr(settings, name)
