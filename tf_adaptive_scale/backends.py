@@ -8,6 +8,8 @@ same on all devices), and a model's float16 computation is known from the
 dtype policy only.
 """
 
+import contextlib
+
 import keras
 
 TENSORFLOW = keras.backend.backend() == "tensorflow"
@@ -28,6 +30,7 @@ if TENSORFLOW:
     from tf_adaptive_scale.tensorflow_graph import computes_in_float16
     from tf_adaptive_scale.tensorflow_graph import mark_unscaled
     from tf_adaptive_scale.tensorflow_graph import unscaled_marks
+    from tf_adaptive_scale.tensorflow_graph import variables_made_now
 
     def has_strategy():
         """Whether a `tf.distribute` strategy is in scope."""
@@ -77,6 +80,10 @@ else:
     def has_strategy():
         """No `tf.distribute` off TensorFlow."""
         return False
+
+    def variables_made_now():
+        """JAX traces never own variables: nothing to do."""
+        return contextlib.nullcontext()
 
     def not_converted(fn):
         """No AutoGraph off TensorFlow."""

@@ -188,7 +188,7 @@ class AdaptiveLossScaleOptimizer(
         if not pairs:
             return
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
+            with backends.variables_made_now(), keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
         self._check_known([v for _, v in pairs])
         pairs, tables = layer_scaling.split_tables(pairs, self._policy)

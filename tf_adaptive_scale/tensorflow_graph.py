@@ -14,6 +14,7 @@ tensor was computed. Two questions are answered here:
   remembered (weakly); tensors derived from them eagerly are not recognised.
 """
 
+import contextlib
 import weakref
 
 import tensorflow as tf
@@ -115,3 +116,27 @@ def assign_now(variable, value):
         mirrored = variable.value
         for copy in getattr(mirrored, "values", (mirrored,)):
             copy.assign(value)
+
+
+@contextlib.contextmanager
+def variables_made_now():
+    """Variables created in this scope are made eagerly, as if before the
+    trace, even when the step that builds the optimizer is being traced.
+
+    A `tf.function` that creates variables on its first trace (Keras's
+    `train_step` builds the optimizer lazily there) traces and compiles
+    the whole step a second time, without them. Made outside the trace
+    (`init_scope`) and not lifted into it, they are ordinary variables to
+    the function, which then traces once. Under a `tf.distribute` strategy
+    Keras builds the optimizer before tracing, and the strategy's own
+    variable creators stay untouched.
+    """
+    if tf.executing_eagerly() or tf.distribute.has_strategy():
+        yield
+        return
+
+    def not_lifted(next_creator, **kwargs):
+        return next_creator(**dict(kwargs, experimental_enable_variable_lifting=False))
+
+    with tf.init_scope(), tf.variable_creator_scope(not_lifted):
+        yield
