@@ -143,6 +143,26 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     )
 
 
+def peaks_and_non_finite(tensors, groups, num_groups):
+    """Per group of tensors, the largest finite |value| and the number of
+    non-finite values (`grouped_statistics`'s `max_abs` and `non_finite`
+    at scale 1), as plain reductions per tensor: no histogram.
+
+    Args:
+        tensors: A list of tensors (any shape, any float dtype).
+        groups: The group index (int) of each tensor.
+        num_groups: Number of groups.
+
+    Returns:
+        A tuple `(max_abs, non_finite)` of float32 `(num_groups,)` tensors.
+    """
+    flat = [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
+    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
+    bad = [ops.sum(ops.cast(ops.logical_not(ops.isfinite(f)), "float32")) for f in flat]
+    peaks = ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
+    return peaks, _per_group(ops.segment_sum, bad, groups, num_groups)
+
+
 def _counts_per_tensor(flat, log2_scale):
     """`_bin_counts` of each 1-D tensor of `flat`, a row each, in order.
 
@@ -325,6 +345,7 @@ __all__ = [
     "pow2",
     "exponent_histogram",
     "grouped_statistics",
+    "peaks_and_non_finite",
     "mass_histogram",
     "underflow_fraction",
     "scale_bounds",

@@ -151,7 +151,7 @@ class TableStep:
         return ops.all(self.flags == 0)
 
     def observation(self, grads, finite, loss_finite):
-        """What this step saw, per unit (O(N) work only on measured steps).
+        """What this step saw, per unit (used where the step was measured).
 
         Args:
             grads: The step's unscaled gradients, by position.
@@ -161,26 +161,18 @@ class TableStep:
         Returns:
             A `scale_policy.Observation`.
         """
-        units = len(self.table.unit_names)
-        none = ops.zeros((units,), "bool")
-
-        def measure():
-            proposed, seen = self.rule(
-                self.statistics, self._per_unit(grads).max_abs
-            )
-            cut = mostly_underflowed(self.statistics, self.table.log2_scales.value)
-            return proposed, seen, cut
-
-        def locate():
-            return self._per_unit(grads).non_finite > 0
-
-        proposed, seen, cut = ops.cond(
-            self.measured, measure,
-            lambda: (ops.zeros((units,), "float32"), none, none),
+        # Computed on every step and selected (no conditional: XLA's GPU
+        # runtime waits on the host for each): the weights' peaks and
+        # non-finite counts are reductions fused with the step's finite
+        # check, the rest reads the small statistics table.
+        peaks, non_finite = stats.peaks_and_non_finite(
+            [grads[p] for p in self.positions], self.units, len(self.table.unit_names)
         )
-        weight_non_finite = ops.cond(
-            self.measured & ~finite, locate, lambda: none
-        )
+        proposed, seen = self.rule(self.statistics, peaks)
+        cut = mostly_underflowed(self.statistics, self.table.log2_scales.value)
+        proposed = ops.where(self.measured, proposed, 0.0)
+        seen, cut = seen & self.measured, cut & self.measured
+        weight_non_finite = (non_finite > 0) & self.measured & ~finite
         flagged = ops.any(self.flags > 0, axis=-1)
         return scale_policy.Observation(
             finite=finite,
@@ -223,13 +215,6 @@ class TableStep:
             _keep_loss_unit(new.log2_ceiling, float16.NO_CAP_EXPONENT)
         )
         return new
-
-    def _per_unit(self, grads):
-        """`stats.grouped_statistics` of the weight gradients per unit."""
-        return stats.grouped_statistics(
-            [grads[p] for p in self.positions], self.units,
-            len(self.table.unit_names),
-        )
 
     def record(self, scheduled, scheduled_next, observation):
         """Keeps this step's statistics (skipped steps too: they show where
