@@ -216,9 +216,8 @@ def test_bad_arguments_name_the_argument():
         tas.ScaleMonitor(every_n_steps=0)
     with pytest.raises(ValueError, match="vanishing_ratio"):
         tas.ScaleMonitor(vanishing_ratio=-1)
-    monitor = tas.ScaleMonitor(optimizer=keras.optimizers.SGD())
     with pytest.raises(ValueError, match="AdaptiveLossScaleOptimizer"):
-        monitor.log(1)
+        tas.ScaleMonitor(optimizer=keras.optimizers.SGD())  # at once, not at `log`
 
 
 def test_config_round_trips():
@@ -258,3 +257,91 @@ model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0,
 """
     run_python("-c", script)
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+class KillIn(keras.callbacks.Callback):
+    """Stops training with an error at `batch` of `epoch`, as a crash."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("killed")
+
+
+def test_kill_and_resume_keeps_every_record_with_continuous_steps(float16_policy, tmp_path):
+    """`BackupAndRestore` + the monitor, killed in epoch 3 and run again (the
+    usual resume): the first run's records stay, and the resumed run numbers
+    its own from the restored optimizer's step on, in the JSON lines and in
+    TensorBoard (read back with its reader)."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    log_dir = str(tmp_path / "logs")
+    x, y = data()
+
+    def run(*callbacks):
+        model = named_mlp()
+        opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), update_every=2)
+        model.compile(opt, "mse", jit_compile=False)
+        monitor = tas.ScaleMonitor(every_n_steps=4, log_dir=log_dir, verbose=0)
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        model.fit(x, y, batch_size=8, epochs=4, verbose=0, shuffle=False,
+                  callbacks=[backup, monitor, *callbacks])
+        return monitor, opt
+
+    with pytest.raises(RuntimeError, match="killed"):
+        run(KillIn(epoch=2, batch=3))  # 8 steps an epoch: killed after step 20
+    with open(f"{log_dir}/{monitor_lib.JSON_LINES_FILE}") as f:
+        first = [json.loads(line) for line in f]
+    assert [r["step"] for r in first] == [4, 8, 12, 16, 20]
+    monitor, opt = run()
+    with open(f"{log_dir}/{monitor_lib.JSON_LINES_FILE}") as f:
+        every = [json.loads(line) for line in f]
+    assert every[: len(first)] == first  # nothing truncated
+    # Restored at the end of epoch 2 (step 16): the resumed run goes on from there.
+    assert [r["step"] for r in every[len(first):]] == [20, 24, 28, 32]
+    assert [r["step"] for r in monitor.records] == [20, 24, 28, 32]
+    assert int(opt.total_steps) == 32
+    events = event_accumulator.EventAccumulator(
+        log_dir, size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    # TensorBoard holds every record too: step 20, done by the killed run
+    # after its last backup, was done again by the resumed one.
+    steps = [e.step for e in events.Tensors("scale/loss_scale")]
+    assert steps == [r["step"] for r in every] == [4, 8, 12, 16, 20, 20, 24, 28, 32]
+
+
+def test_clip_rate_is_per_optimizer_step_under_accumulation(float16_policy):
+    """With `accumulation_steps=2` a run clipped on every optimizer step
+    reports a clip rate of 1, clipped steps over optimizer steps."""
+    model = named_mlp()
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    history, opt = fit(model, monitor, clipnorm=1e-6, accumulation_steps=2)
+    assert int(opt.total_steps) == 8 and int(opt.clipped_steps) == 8  # 16 batches
+    assert history.history["scale/clip_rate"] == [1.0, 1.0]
+    assert [r["step"] for r in monitor.records] == [2, 4, 6, 8]
+
+
+def test_bad_arguments_and_a_stock_optimizer_fail_before_the_first_batch(tmp_path):
+    a_file = tmp_path / "not_a_directory"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="`log_dir` must be a directory"):
+        tas.ScaleMonitor(log_dir=str(a_file))
+    with pytest.raises(TypeError, match="`json_lines` must be a bool"):
+        tas.ScaleMonitor(json_lines="no")
+    with pytest.raises(ValueError, match="`optimizer` is Adam"):
+        tas.ScaleMonitor(optimizer=keras.optimizers.Adam())
+    model = named_mlp()
+    stock = keras.optimizers.Adam()
+    model.compile(stock, "mse")
+    seen = []
+    probe = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(b))
+    x, y = data()
+    with pytest.raises(ValueError, match="the model's optimizer is Adam"):
+        model.fit(x, y, verbose=0, callbacks=[tas.ScaleMonitor(every_n_steps=1000), probe])
+    assert seen == [] and int(stock.iterations) == 0

@@ -183,3 +183,18 @@ def test_histograms_are_shifted_by_the_scale_and_shaded_at_float16_limits(log_di
     underflow = spans["float16 underflow"]
     assert underflow.get_x() + underflow.get_width() == -24
     assert spans["float16 overflow"].get_x() == 16
+
+
+def test_a_cut_last_line_is_skipped_with_a_warning_naming_it(log_dir, tmp_path):
+    """A run killed while writing a record leaves a cut last line: the
+    report draws the rest and names the line; a bad line elsewhere fails."""
+    path = log_dir / "scale_monitor.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + whole.splitlines()[-1][:40])
+    with pytest.warns(UserWarning, match=r"line 11: skipped a cut last line"):
+        paths = plot_report(str(log_dir), str(tmp_path / "out"))
+    assert len(paths) == 4
+    lines = whole.splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:40], *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: not a JSON record"):
+        plot_report(str(log_dir), str(tmp_path / "out2"))

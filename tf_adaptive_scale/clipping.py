@@ -285,7 +285,7 @@ class AutoClip(Clipper):
         self._keep(
             percentile=percentile,
             window=validation.positive_int("window", window),
-            per_variable=_bool("per_variable", per_variable),
+            per_variable=validation.boolean("per_variable", per_variable),
         )
 
     def build(self, add_state, num_variables):
@@ -401,9 +401,3 @@ def _f32(x):
 
 def _any(flags):
     return ops.any(ops.stack(flags)) if flags else ops.convert_to_tensor(False)
-
-
-def _bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool. Received: {value!r}")
-    return value

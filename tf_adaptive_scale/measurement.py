@@ -34,6 +34,8 @@ class Reading(NamedTuple):
     Attributes:
         loss_scale: The global loss scale (1 per layer and without scaling).
         in_float16: Whether gradients are float16 (underflow applies).
+        total_steps: Optimizer steps so far, applied or skipped (with
+            accumulation, windows), restored with the optimizer's state.
         skipped_steps: Steps skipped so far.
         clipped_steps: Applied steps on which clipping acted.
         measurements: Measured steps so far.
@@ -45,6 +47,7 @@ class Reading(NamedTuple):
 
     loss_scale: float
     in_float16: bool
+    total_steps: int
     skipped_steps: int
     clipped_steps: int
     measurements: int
@@ -181,12 +184,13 @@ def layers(scales, norms, histograms):
     }
 
 
-def read(measured, loss_scale, skipped_steps, clipped_steps, policy, scales):
+def read(measured, loss_scale, total_steps, skipped_steps, clipped_steps, policy, scales):
     """A `Reading` of an optimizer's variables.
 
     Args:
         measured: The optimizer's `Measurement`.
         loss_scale: Its scale variable.
+        total_steps: Its step counter (applied and skipped steps).
         skipped_steps: Its skipped-steps counter.
         clipped_steps: Its clipped-steps counter.
         policy: Its `scale_policy.Policy`, or None before the mode is known.
@@ -198,6 +202,7 @@ def read(measured, loss_scale, skipped_steps, clipped_steps, policy, scales):
     return Reading(
         loss_scale=float(loss_scale.numpy()),
         in_float16=policy is None or policy.in_float16,
+        total_steps=int(total_steps.numpy()),
         skipped_steps=int(skipped_steps.numpy()),
         clipped_steps=int(clipped_steps.numpy()),
         measurements=int(measured.measurements.numpy()),
@@ -279,8 +284,9 @@ class MeasurementReader:
             A `Reading`.
         """
         return read(
-            self._measurement, self.dynamic_scale, self._step_state.skipped_steps,
-            self.clipped_steps, self.policy, self.gradient_scales(),
+            self._measurement, self.dynamic_scale, self._step_state.total_steps,
+            self._step_state.skipped_steps, self.clipped_steps, self.policy,
+            self.gradient_scales(),
         )
 
     def gradient_scales(self):

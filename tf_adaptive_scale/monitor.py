@@ -23,6 +23,8 @@ from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
 JSON_LINES_FILE = "scale_monitor.jsonl"
+# What the last report had seen: batches of this fit, the optimizer's counts.
+_NOTHING_REPORTED = {"batch": 0, "total": 0, "skipped": 0, "clipped": 0, "measurements": 0}
 
 
 def float16_fractions(histogram, log2_scale):
@@ -58,8 +60,11 @@ class ScaleMonitor(keras.callbacks.Callback):
     `.../overflow`), so `History`, `CSVLogger` and callbacks after it see
     them; writes them, with each layer's gradient-exponent histogram, to
     TensorBoard in `log_dir`; appends a JSON line to
-    `log_dir/scale_monitor.jsonl` (begun afresh by each monitor;
-    `tas.plot_report(log_dir, out_dir)` draws it). Without float16 scaling (bfloat16,
+    `log_dir/scale_monitor.jsonl` (`tas.plot_report(log_dir, out_dir)`
+    draws it). Records are numbered by the optimizer's own step counter
+    (applied and skipped steps; with accumulation, windows), so a run
+    resumed from a checkpoint or `BackupAndRestore` continues its log where
+    the restored state is, and nothing is ever truncated. Without float16 scaling (bfloat16,
     float32) underflow and overflow are left out.
 
     Diagnosis, on each new measurement, warns once per layer and kind:
@@ -119,9 +124,9 @@ class ScaleMonitor(keras.callbacks.Callback):
     ):
         super().__init__()
         self.every_n_steps = validation.positive_int("every_n_steps", every_n_steps)
-        self.log_dir = log_dir
-        self.json_lines = json_lines
-        self.per_layer_logs = per_layer_logs
+        self.log_dir = _directory("log_dir", log_dir)
+        self.json_lines = validation.boolean("json_lines", json_lines)
+        self.per_layer_logs = validation.boolean("per_layer_logs", per_layer_logs)
         self.window = validation.positive_int("window", window)
         self.patience = validation.positive_int("patience", patience)
         self.vanishing_ratio = validation.positive_float("vanishing_ratio", vanishing_ratio)
@@ -133,7 +138,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         )
         self.skipped_run = validation.positive_int("skipped_run", skipped_run)
         self.verbose = verbose
-        self._optimizer = optimizer
+        self._optimizer = _adaptive("`optimizer`", optimizer) if optimizer is not None else None
         self.stop_error = None
         self.flags = []
         self.records = []
@@ -143,22 +148,37 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._streaks = collections.Counter()
         self._flagged = set()
         self._writer = None
-        self._last = {"step": 0, "skipped": 0, "clipped": 0, "measurements": 0}
+        self._last = dict(_NOTHING_REPORTED)
         self._steps_before_epoch = 0
         self._step = 0
 
+    def _adaptive_optimizer(self):
+        return self._optimizer or _adaptive(
+            "the model's optimizer", getattr(self.model, "optimizer", None)
+        )
+
     @property
     def optimizer(self):
-        optimizer = self._optimizer or getattr(self.model, "optimizer", None)
-        if not hasattr(optimizer, "variable_gradient_norms"):
-            raise ValueError(
-                "ScaleMonitor needs a built tas.AdaptiveLossScaleOptimizer (the "
-                "model's, or `optimizer=`). Received: "
-                f"{type(optimizer).__name__}"
-            )
+        optimizer = self._adaptive_optimizer()
+        if not optimizer.built:
+            raise ValueError("ScaleMonitor reads a built optimizer: call it after "
+                             "the first training step.")
         return optimizer
 
     # Keras hooks.
+
+    def on_train_begin(self, logs=None):
+        # Checked before the first batch, not `every_n_steps` batches in.
+        optimizer = self._adaptive_optimizer()
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+        self._step = self._steps_before_epoch = 0
+        self._last = dict(_NOTHING_REPORTED)
+        if optimizer.built:  # a resumed run: its counts so far are not news
+            reading = optimizer.read()
+            self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
+                              clipped=reading.clipped_steps,
+                              measurements=reading.measurements)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -166,12 +186,12 @@ class ScaleMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # With steps_per_execution > 1, `batch` is the execution's last step.
         self._step = self._steps_before_epoch + batch + 1
-        if self._step - self._last["step"] >= self.every_n_steps:
+        if self._step - self._last["batch"] >= self.every_n_steps:
             self._report(logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self._steps_before_epoch = self._step
-        if self._step > self._last["step"]:
+        if self._step > self._last["batch"]:
             self._report(logs)
         elif logs is not None and self.records:
             logs.update(self._flat(self.records[-1]))
@@ -184,17 +204,20 @@ class ScaleMonitor(keras.callbacks.Callback):
 
     def _report(self, logs):
         loss = None if logs is None else logs.get("loss")
-        record = self.log(self._step, loss=loss, epoch=getattr(self, "_epoch", 0))
+        record = self.log(loss=loss, epoch=getattr(self, "_epoch", 0))
+        self._last["batch"] = self._step
         if logs is not None:
             logs.update(self._flat(record))
 
     # The work.
 
-    def log(self, step, loss=None, epoch=0):
+    def log(self, step=None, loss=None, epoch=0):
         """Reads the optimizer's state now and reports it (custom loops).
 
         Args:
-            step: The number of training steps done.
+            step: The step to record; default: the optimizer's own count of
+                steps (applied and skipped), which a restored optimizer
+                continues.
             loss: Optional loss value to record.
             epoch: Optional epoch to record.
 
@@ -203,9 +226,10 @@ class ScaleMonitor(keras.callbacks.Callback):
         """
         opt = self.optimizer
         reading = opt.read()
-        steps = max(step - self._last["step"], 1)
+        # Rates per optimizer step (with accumulation, per window).
+        steps = max(reading.total_steps - self._last["total"], 1)
         record = {
-            "step": int(step),
+            "step": int(reading.total_steps if step is None else step),
             "epoch": int(epoch),
             "loss": None if loss is None else float(loss),
             "loss_scale": reading.loss_scale,
@@ -230,9 +254,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             record["layers"][name] = entry
         self._check_progress(opt, record)
         new_measurement = reading.measurements > self._last["measurements"]
-        self._last = {"step": step, "skipped": reading.skipped_steps,
-                      "clipped": reading.clipped_steps,
-                      "measurements": reading.measurements}
+        self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
+                          clipped=reading.clipped_steps, measurements=reading.measurements)
         self._diagnose(record, new_measurement)
         self.records.append(record)
         self._write(record)
@@ -269,9 +292,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             return
         os.makedirs(self.log_dir, exist_ok=True)
         if self.json_lines:
-            # One run per file: a monitor's first line starts it afresh.
-            mode = "a" if self._writer is not None else "w"
-            with open(os.path.join(self.log_dir, JSON_LINES_FILE), mode) as f:
+            # Appended: a resumed run continues the records of the one before.
+            with open(os.path.join(self.log_dir, JSON_LINES_FILE), "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self._writer is None:
             self._writer = _event_writer(self.log_dir)
@@ -384,6 +406,32 @@ class ScaleMonitor(keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+def _directory(name, path):
+    """`path` (None or a directory, existing or not), or a clear error."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"`{name}` must be a directory path or None. Received: {name}={path!r}")
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"`{name}` must be a directory; {path!r} is an existing file.")
+    return path
+
+
+def _adaptive(what, optimizer):
+    """`optimizer` if it is an `AdaptiveLossScaleOptimizer`, else a clear error."""
+    from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
+
+    if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+        raise ValueError(
+            f"ScaleMonitor reads a tas.AdaptiveLossScaleOptimizer; {what} is "
+            f"{type(optimizer).__name__}. Compile the model with "
+            "tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()) (say), or "
+            "pass `optimizer=` for a custom loop."
+        )
+    return optimizer
 
 
 def _event_writer(log_dir):

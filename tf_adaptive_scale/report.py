@@ -15,6 +15,7 @@ import json
 import math
 import os
 import textwrap
+import warnings
 
 import numpy as np
 
@@ -111,11 +112,27 @@ def _load(source):
         path = os.path.join(path, LOG_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"No scale monitor log at {path}")
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = _records(path)
     if not records:
         raise ValueError(f"The scale monitor log {path} has no records")
     return _from_records(records)
+
+
+def _records(path):
+    """The JSON lines of `path`; a cut last line (a run killed while writing
+    it) is skipped with a warning, a bad line elsewhere is an error."""
+    with open(path) as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
+            warnings.warn(f"{path}, line {number}: skipped a cut last line "
+                          "(the run was stopped while writing it)", stacklevel=3)
+    return records
 
 
 def _from_records(records):

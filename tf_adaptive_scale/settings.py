@@ -53,12 +53,6 @@ def _percentile(name, value):
     return value
 
 
-def _bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be a bool. Received: {value!r}")
-    return value
-
-
 def _setting(default, check, doc):
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
 
@@ -111,7 +105,7 @@ class Settings:
         "In (0, 100]: AutoClip to this percentile of past norms."))
     autoclip_window: int = _setting(1000, validation.positive_int, (
         "AutoClip's number of past norms."))
-    autoclip_per_variable: bool = _setting(False, _bool, (
+    autoclip_per_variable: bool = _setting(False, validation.boolean, (
         "AutoClip each variable against its own history."))
     agc_factor: object = _setting(None, _optional_float, (
         "AGC: the largest unit gradient/weight norm ratio."))

@@ -57,3 +57,10 @@ def one_of(name, value, allowed):
             f"`{name}` must be one of {list(allowed)}. Received: {value!r}"
         )
     return value
+
+
+def boolean(name, value):
+    """A bool (not a truthy value: `"False"` would read as True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool. Received: {value!r}")
+    return value
