@@ -382,8 +382,11 @@ def unscale(grads, log2_divisors):
     Returns:
         The new list.
     """
-    unscaled = list(grads)
+    unscaled, factors = list(grads), {}
     for i, log2_divisor in log2_divisors.items():
-        factor = pow2(-log2_divisor)
+        # One factor per divisor: in the global modes all share one.
+        if id(log2_divisor) not in factors:
+            factors[id(log2_divisor)] = pow2(-log2_divisor)
+        factor = factors[id(log2_divisor)]
         unscaled[i] = sparse.map_values(lambda g: times(g, factor), grads[i])
     return unscaled
