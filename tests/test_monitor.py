@@ -345,3 +345,22 @@ def test_bad_arguments_and_a_stock_optimizer_fail_before_the_first_batch(tmp_pat
     with pytest.raises(ValueError, match="the model's optimizer is Adam"):
         model.fit(x, y, verbose=0, callbacks=[tas.ScaleMonitor(every_n_steps=1000), probe])
     assert seen == [] and int(stock.iterations) == 0
+
+
+def test_reports_carry_the_mean_loss_since_the_last_report_and_the_mode(tmp_path):
+    """Keras's `loss` is a running mean over the epoch (it jumps at every
+    epoch); each record also holds the mean loss of its own batches, here
+    against the batch losses evaluated one by one (SGD(0): fixed weights)."""
+    model = named_mlp()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), "dynamic")
+    model.compile(opt, "mse")
+    x, y = data()
+    monitor = tas.ScaleMonitor(every_n_steps=3, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    batch = [float(model.evaluate(x[i:i + 8], y[i:i + 8], verbose=0)) for i in range(0, 64, 8)]
+    # 8 batches an epoch, a report every 3 and at each epoch's end.
+    expected = [np.mean(batch[0:3]), np.mean(batch[3:6]), np.mean(batch[6:8])] * 2
+    got = [r["interval_loss"] for r in monitor.records]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert [r["step"] for r in monitor.records] == [3, 6, 8, 11, 14, 16]
+    assert {r["scaling"] for r in monitor.records} == {"dynamic"}

@@ -151,6 +151,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._last = dict(_NOTHING_REPORTED)
         self._steps_before_epoch = 0
         self._step = 0
+        self._epoch_mean = 0.0  # Keras's running loss mean at the last report
 
     def _adaptive_optimizer(self):
         return self._optimizer or _adaptive(
@@ -190,11 +191,11 @@ class ScaleMonitor(keras.callbacks.Callback):
             self._report(logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._steps_before_epoch = self._step
         if self._step > self._last["batch"]:
             self._report(logs)
         elif logs is not None and self.records:
             logs.update(self._flat(self.records[-1]))
+        self._steps_before_epoch = self._step
 
     def on_train_end(self, logs=None):
         if self.verbose:
@@ -204,10 +205,23 @@ class ScaleMonitor(keras.callbacks.Callback):
 
     def _report(self, logs):
         loss = None if logs is None else logs.get("loss")
-        record = self.log(loss=loss, epoch=getattr(self, "_epoch", 0))
+        record = self._read(None, loss, getattr(self, "_epoch", 0))
+        record["interval_loss"] = self._interval_loss(loss)
+        self._keep(record)
         self._last["batch"] = self._step
         if logs is not None:
             logs.update(self._flat(record))
+
+    def _interval_loss(self, loss):
+        """The mean loss of the batches since the last report, from Keras's
+        running mean over the epoch so far (which jumps at every epoch)."""
+        if loss is None:
+            return None
+        done = self._step - self._steps_before_epoch  # batches of this epoch
+        before = max(self._last["batch"] - self._steps_before_epoch, 0)
+        mean_before = self._epoch_mean if before else 0.0
+        self._epoch_mean = float(loss)
+        return (done * float(loss) - before * mean_before) / max(done - before, 1)
 
     # The work.
 
@@ -224,6 +238,12 @@ class ScaleMonitor(keras.callbacks.Callback):
         Returns:
             The report, a dict (the JSON line's content).
         """
+        record = self._read(step, loss, epoch)
+        self._keep(record)
+        return record
+
+    def _read(self, step, loss, epoch):
+        """The report of the optimizer's state now, diagnosed."""
         opt = self.optimizer
         reading = opt.read()
         # Rates per optimizer step (with accumulation, per window).
@@ -231,6 +251,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         record = {
             "step": int(reading.total_steps if step is None else step),
             "epoch": int(epoch),
+            "scaling": None if opt.policy is None else opt.policy.name,
             "loss": None if loss is None else float(loss),
             "loss_scale": reading.loss_scale,
             "skipped_steps": reading.skipped_steps,
@@ -257,9 +278,11 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
                           clipped=reading.clipped_steps, measurements=reading.measurements)
         self._diagnose(record, new_measurement)
+        return record
+
+    def _keep(self, record):
         self.records.append(record)
         self._write(record)
-        return record
 
     def _check_progress(self, opt, record):
         """Stops `fit` (like TerminateOnNaN) once the optimizer has skipped

@@ -23,6 +23,9 @@ from tf_adaptive_scale import float16
 
 LOG_FILE = "scale_monitor.jsonl"
 MAX_LEGEND_LAYERS = 12
+# Fewer reports than this are drawn with a marker at each (one point draws
+# no line).
+MARKED_POINTS = 30
 MAX_HISTOGRAM_LAYERS = 16
 
 
@@ -156,7 +159,11 @@ def _from_records(records):
     return {
         "step_label": "step",
         "steps": np.array([r["step"] for r in records]),
-        "loss": _column([r.get("loss") for r in records]),
+        # The mean loss since the report before (older logs: Keras's
+        # running epoch mean, which jumps at every epoch).
+        "loss": _column([r.get("interval_loss", r.get("loss")) for r in records]),
+        # The global scale means nothing per layer or without scaling.
+        "global_scale": records[-1].get("scaling") not in ("per_layer", "none"),
         "loss_scale": _column([r.get("loss_scale") for r in records]),
         "skipped_steps": _column([r.get("skipped_steps") for r in records]),
         "skipped_since_last": _column([r.get("skipped_since_last") for r in records]),
@@ -183,6 +190,7 @@ def _from_history(history):
         "step_label": "epoch",
         "steps": np.arange(epochs),
         "loss": column("loss"),
+        "global_scale": True,
         "loss_scale": column("scale/loss_scale"),
         "skipped_steps": skipped,
         "skipped_since_last": np.diff(skipped, prepend=0.0),
@@ -200,14 +208,23 @@ def _column(values):
     return np.array([np.nan if v is None else v for v in values], dtype=float)
 
 
+def _marker(run):
+    return "o" if len(run["steps"]) < MARKED_POINTS else None
+
+
 def _draw_scales(fig, run):
     ax = fig.subplots()
     few = len(run["layers"]) <= MAX_LEGEND_LAYERS
     for name, layer in run["layers"].items():
-        ax.plot(run["steps"], np.log2(layer["scale"]), label=name if few else None)
-    ax.plot(run["steps"], np.log2(run["loss_scale"]), "k--", label="global loss_scale")
+        ax.plot(run["steps"], np.log2(layer["scale"]), marker=_marker(run),
+                label=name if few else None)
+    if run["global_scale"]:
+        ax.plot(run["steps"], np.log2(run["loss_scale"]), "k--", marker=_marker(run),
+                label="global loss_scale")
     ax.set(xlabel=run["step_label"], ylabel="log2 scale")
-    ax.legend(fontsize="small")
+    ax.yaxis.get_major_locator().set_params(integer=True)  # scales are powers of two
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
 
 
 def _draw_gradient_norms(fig, run):
@@ -263,7 +280,7 @@ def _draw_loss_and_skips(fig, run):
     steps = run["steps"]
     ax = fig.subplots()
     known = np.isfinite(run["loss"])
-    ax.plot(steps[known], run["loss"][known], label="loss")
+    ax.plot(steps[known], run["loss"][known], marker=_marker(run), label="loss")
     ax.set(xlabel=run["step_label"], ylabel="loss")
     if run["skipped_at"]:
         ax.vlines(
@@ -273,12 +290,15 @@ def _draw_loss_and_skips(fig, run):
     twin = ax.twinx()
     twin.plot(
         steps, run["skipped_steps"], color="grey", drawstyle="steps-post",
-        label="skipped steps (cumulative)",
+        marker=_marker(run), label="skipped steps (cumulative)",
     )
-    if not run["skipped_at"]:
-        new = run["skipped_since_last"] > 0
+    new = run["skipped_since_last"] > 0
+    if not run["skipped_at"] and new.any():
         twin.plot(steps[new], run["skipped_steps"][new], "rv", label="report with skipped steps")
     twin.set_ylabel("skipped steps (cumulative)")
+    # Counts: from zero, whole numbers (no -0.04..0.04 axis for no skips).
+    twin.set_ylim(0, max(1.0, np.nanmax(run["skipped_steps"], initial=0.0)) * 1.05)
+    twin.yaxis.get_major_locator().set_params(integer=True)
     handles, labels = ax.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
     twin.legend(handles + twin_handles, labels + twin_labels, fontsize="small")
