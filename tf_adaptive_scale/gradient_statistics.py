@@ -122,7 +122,7 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     """
     # A sparse gradient's stored values are what float16 computed: their
     # exponents and peak are counted; its squared norm is of its rows summed.
-    flat = [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
+    flat = _flat_values(tensors)
     summed = [ops.reshape(sparse.values(sparse.summed(t)), (-1,)) for t in tensors]
     counts = _per_group(
         ops.segment_sum, _counts_per_tensor(flat, log2_scale), groups, num_groups
@@ -130,10 +130,8 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     # Peaks and sums of squares are reductions per tensor, which XLA fuses
     # with their producers; only their few results are grouped (segment ops
     # over all the values are scatters).
-    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
+    peaks = _peaks(flat, groups, num_groups)
     squares = [ops.sum(_of_finite(ops.square, f)) for f in summed]
-    # An empty group's segment max is the lowest float: no peak is 0.
-    peaks = ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
     return GroupStatistics(
         histograms=counts[:, :NUM_BINS],
         max_abs=peaks * pow2(-log2_scale),
@@ -156,11 +154,21 @@ def peaks_and_non_finite(tensors, groups, num_groups):
     Returns:
         A tuple `(max_abs, non_finite)` of float32 `(num_groups,)` tensors.
     """
-    flat = [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
-    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
+    flat = _flat_values(tensors)
     bad = [ops.sum(ops.cast(ops.logical_not(ops.isfinite(f)), "float32")) for f in flat]
-    peaks = ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
-    return peaks, _per_group(ops.segment_sum, bad, groups, num_groups)
+    return _peaks(flat, groups, num_groups), _per_group(ops.segment_sum, bad, groups, num_groups)
+
+
+def _flat_values(tensors):
+    """Each tensor's values (a sparse one's stored rows) as a 1-D tensor."""
+    return [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
+
+
+def _peaks(flat, groups, num_groups):
+    """Per group, the largest finite |value| of its 1-D tensors `flat`."""
+    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
+    # An empty group's segment max is the lowest float: no peak is 0.
+    return ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
 
 
 def _counts_per_tensor(flat, log2_scale):

@@ -64,8 +64,8 @@ class ScaleMonitor(keras.callbacks.Callback):
     draws it). Records are numbered by the optimizer's own step counter
     (applied and skipped steps; with accumulation, windows), so a run
     resumed from a checkpoint or `BackupAndRestore` continues its log where
-    the restored state is, and nothing is ever truncated. Without float16 scaling (bfloat16,
-    float32) underflow and overflow are left out.
+    the restored state is, and nothing is ever truncated. Without float16
+    scaling (bfloat16, float32) underflow and overflow are left out.
 
     Diagnosis, on each new measurement, warns once per layer and kind:
     vanishing gradients (a layer's norm below `vanishing_ratio` times the
@@ -151,7 +151,6 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._last = dict(_NOTHING_REPORTED)
         self._steps_before_epoch = 0
         self._step = 0
-        self._epoch_mean = 0.0  # Keras's running loss mean at the last report
 
     def _adaptive_optimizer(self):
         return self._optimizer or _adaptive(
@@ -176,10 +175,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._step = self._steps_before_epoch = 0
         self._last = dict(_NOTHING_REPORTED)
         if optimizer.built:  # a resumed run: its counts so far are not news
-            reading = optimizer.read()
-            self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
-                              clipped=reading.clipped_steps,
-                              measurements=reading.measurements)
+            self._note(optimizer.read())
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -219,8 +215,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             return None
         done = self._step - self._steps_before_epoch  # batches of this epoch
         before = max(self._last["batch"] - self._steps_before_epoch, 0)
-        mean_before = self._epoch_mean if before else 0.0
-        self._epoch_mean = float(loss)
+        # The last report, of this epoch, holds the running mean then.
+        mean_before = self.records[-1]["loss"] if before else 0.0
         return (done * float(loss) - before * mean_before) / max(done - before, 1)
 
     # The work.
@@ -275,10 +271,14 @@ class ScaleMonitor(keras.callbacks.Callback):
             record["layers"][name] = entry
         self._check_progress(opt, record)
         new_measurement = reading.measurements > self._last["measurements"]
-        self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
-                          clipped=reading.clipped_steps, measurements=reading.measurements)
+        self._note(reading)
         self._diagnose(record, new_measurement)
         return record
+
+    def _note(self, reading):
+        """The optimizer's counts that the next report is relative to."""
+        self._last.update(total=reading.total_steps, skipped=reading.skipped_steps,
+                          clipped=reading.clipped_steps, measurements=reading.measurements)
 
     def _keep(self, record):
         self.records.append(record)
