@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 # (tf.function, tf.distribute, TensorBoard, GradientTape).
 ON_JAX = {
     "test_jax.py",
+    "test_compiled_step.py",
     "test_fit.py",
     "test_gradient_paths.py",
     "test_scale_policy.py",

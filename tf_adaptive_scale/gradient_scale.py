@@ -14,14 +14,15 @@ latter is a trainable variable read through the identity: whatever the
 boundaries return as *its* gradient is the per-unit statistics of this very
 backward pass (the Keras float8 pattern), which the optimizer reads and writes
 back. So the statistics cost no extra pass and work under XLA. They are taken
-only on measured steps: each edge has one small conditional on the `measure`
-flag, holding only its statistics, so other steps pay one fused multiply per
-edge. That conditional is one graph function per dtype, traced once and
-called by every edge, so a deep model's first step does not trace it per
-edge. (A conditional around the whole step was measured too: XLA on CPU then
-compiles the convolutions inside it as naive loops, 50x slower.)
+on every step with no conditional (peaks as reductions XLA fuses with the
+gradient's producer, the histogram on a fixed sample of each edge's
+gradient) and kept only on measured steps: a conditional in the step gives
+its operands buffers of their own on CPU and waits on the host on a GPU.
+(A conditional around the whole step is worse still: XLA on CPU compiles
+the convolutions inside it as naive loops, 50x slower.)
 
-Statistics columns, per unit (row), all zero on steps that do not measure:
+Statistics columns, per unit (row), all zero on steps that do not measure
+(histogram counts are estimates from the sample, scaled to the whole):
 - `[0, NUM_BINS)`: exponent histogram of the unscaled gradients held at the
   unit's scale: its output gradients and the input gradients its backward
   produced;
@@ -336,7 +337,8 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     standard = keras.backend.standardize_dtype
     rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(
-        dy, control, producer, consumer
+        dy, control, ops.convert_to_tensor(producer, "int32"),
+        ops.convert_to_tensor(consumer, "int32"),
     )
     # Placing the edge's two rows in the table is a constant one-hot product
     # XLA fuses into the sum over edges (a full table per edge would be
@@ -353,41 +355,31 @@ def _measured_rows(dtype, input_dtype):
     rows on measured steps, zeros on others, for gradients `dy` of `dtype`
     converted to `input_dtype`.
 
-    One graph function per dtype, traced once and called by every edge:
-    tracing each edge's own conditional and histogram made a deep model's
-    first step several times stock's. XLA inlines it at each call.
+    Taken on every step, with no conditional (XLA gives a conditional's
+    operands buffers of their own, a float16 copy of every edge's gradient
+    per step, and on a GPU waits on the host for its predicate); the
+    histogram is of a fixed sample of `dy`, so its cost does not grow with
+    the tensor. One graph function per dtype and shape, traced once and
+    called by every edge of that shape: tracing each edge's own statistics
+    made a deep model's first step several times stock's. XLA inlines it.
     """
 
     def rows(dy, control, producer, consumer):
-        return ops.cond(
-            control[-1] > 0,
-            lambda: _statistics(dy, control, producer, consumer, input_dtype),
-            lambda: ops.zeros((2, NUM_COLUMNS), "float32"),
-        )
+        statistics = _statistics(dy, control, producer, consumer, input_dtype)
+        return ops.where(control[-1] > 0, statistics, 0.0)
 
     if not backends.TENSORFLOW:
         return rows
     import tensorflow as tf
 
-    return tf.function(
-        rows,
-        input_signature=[
-            # Any shape: flattening dy outside the branch would transpose
-            # it on every step where its layout is not row-major.
-            tf.TensorSpec(None, dtype),
-            tf.TensorSpec([None], "float32"),
-            tf.TensorSpec([], "int32"),
-            tf.TensorSpec([], "int32"),
-        ],
-        autograph=False,
-    )
+    return tf.function(rows, autograph=False)
 
 
 def _statistics(dy, control, producer, consumer, input_dtype):
     """This edge's statistics: its producer's row and its consumer's."""
-    # One pass over dy, in its own dtype where it can: hoisting a float32
-    # copy of dy out of the branch would cost every step.
-    measured = stats.grouped_statistics([dy], [0], 1, control[consumer])
+    # Reductions over dy in its own dtype where they can, which XLA fuses
+    # with its producer; the histogram over a sample.
+    measured = stats.grouped_statistics([dy], [0], 1, control[consumer], sample=stats.SAMPLE)
     histogram, unscaled_peak = measured.histograms[0], measured.max_abs[0]
     produced_bad = measured.non_finite[0] > 0
     dtype_max = float(ml_dtypes.finfo(keras.backend.standardize_dtype(input_dtype)).max)

@@ -26,6 +26,9 @@ _NON_FINITE_BIN = NUM_BINS + 1
 _BINS_WITH_EXTRAS = NUM_BINS + 2
 # Tensors of fewer values share one segment sum (see `grouped_statistics`).
 _SMALL = 1 << 14
+# The optimizer counts exponents on a fixed strided sample of at most this
+# many values per tensor, on every step (see `grouped_statistics`).
+SAMPLE = 1 << 12
 
 
 def pow2(exponent):
@@ -99,21 +102,26 @@ def exponent_histogram(tensors, log2_scale=0.0):
     return group.histograms[0], group.max_abs[0]
 
 
-def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
+def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None):
     """Per group of tensors, in one pass over all their values: the exponent
     histogram and largest |value| (as `exponent_histogram`), the numbers of
     exact zeros and of non-finite values, and the sum of squares of the
     finite values.
 
     The counts take one segment sum per tensor of `_SMALL` values or more
-    and one for all smaller ones; peaks and squared norms are plain
-    reductions per tensor, grouped afterwards.
+    and one for all smaller ones; peaks, non-finite counts and squared norms
+    are plain reductions per tensor, grouped afterwards.
 
     Args:
         tensors: A list of tensors (any shape, any float dtype).
         groups: The group index (int) of each tensor.
         num_groups: Number of groups.
         log2_scale: As in `exponent_histogram`.
+        sample: Optional; histograms and zeros are then counted on a fixed
+            strided sample of at most `sample` values per tensor (of static
+            size), each standing for its share of the tensor: estimates of
+            the counts, at a cost that does not grow with the tensor. Peaks,
+            non-finite counts and squares stay exact.
 
     Returns:
         A `GroupStatistics` of float32 tensors: `histograms`
@@ -124,24 +132,45 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0):
     # exponents and peak are counted; its squared norm is of its rows summed.
     flat = _flat_values(tensors)
     summed = [ops.reshape(sparse.values(sparse.summed(t)), (-1,)) for t in tensors]
-    counts = _per_group(
-        ops.segment_sum, _counts_per_tensor(flat, log2_scale), groups, num_groups
-    )
-    # Peaks and sums of squares are reductions per tensor, which XLA fuses
-    # with their producers; only their few results are grouped (segment ops
-    # over all the values are scatters).
-    peaks = _peaks(flat, groups, num_groups)
+    sampled = [_strided_sample(f, sample) for f in flat]
+    counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
+    counts = [c if w == 1.0 else c * w for c, (_, w) in zip(counts, sampled)]
+    counts = _per_group(ops.segment_sum, counts, groups, num_groups)
+    # Peaks, non-finite counts and sums of squares are reductions per
+    # tensor, which XLA fuses with their producers; only their few results
+    # are grouped (segment ops over all the values are scatters).
+    peaks, non_finite = peaks_and_non_finite(tensors, groups, num_groups, flat)
     squares = [ops.sum(_of_finite(ops.square, f)) for f in summed]
     return GroupStatistics(
         histograms=counts[:, :NUM_BINS],
         max_abs=peaks * pow2(-log2_scale),
         zeros=counts[:, _ZERO_BIN],
-        non_finite=counts[:, _NON_FINITE_BIN],
+        non_finite=non_finite,
         squares=_per_group(ops.segment_sum, squares, groups, num_groups),
     )
 
 
-def peaks_and_non_finite(tensors, groups, num_groups):
+def _strided_sample(flat, size):
+    """At most `size` values of the 1-D tensor `flat`, evenly strided (all
+    of them without `size`, or when its length is not static), and how
+    many values each stands for."""
+    n = flat.shape[0]
+    if size is None or n is None or n <= size:
+        return flat, 1.0
+    # A prime stride: a round one would read the same few columns of every
+    # row of a kernel (a stride of 256 on a 1024-wide one reads 4 of them).
+    stride = _next_prime(-(-n // size))
+    kept = -(-n // stride)
+    return flat[::stride], n / kept
+
+
+def _next_prime(n):
+    while n > 2 and any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
+        n += 1
+    return n
+
+
+def peaks_and_non_finite(tensors, groups, num_groups, flat=None):
     """Per group of tensors, the largest finite |value| and the number of
     non-finite values (`grouped_statistics`'s `max_abs` and `non_finite`
     at scale 1), as plain reductions per tensor: no histogram.
@@ -150,11 +179,12 @@ def peaks_and_non_finite(tensors, groups, num_groups):
         tensors: A list of tensors (any shape, any float dtype).
         groups: The group index (int) of each tensor.
         num_groups: Number of groups.
+        flat: Optional, the tensors' values already flattened.
 
     Returns:
         A tuple `(max_abs, non_finite)` of float32 `(num_groups,)` tensors.
     """
-    flat = _flat_values(tensors)
+    flat = _flat_values(tensors) if flat is None else flat
     bad = [ops.sum(ops.cast(ops.logical_not(ops.isfinite(f)), "float32")) for f in flat]
     return _peaks(flat, groups, num_groups), _per_group(ops.segment_sum, bad, groups, num_groups)
 

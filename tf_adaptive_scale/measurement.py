@@ -95,24 +95,31 @@ class Measurement:
         return histogram
 
     @staticmethod
-    def packed(grads, log2_scale, scheduled):
+    def packed(grads, log2_scale):
         """One replica's (or micro-batch's) histogram, zero count and peak of
-        its gradients at `2**log2_scale`, on a scheduled step (zeros
-        otherwise): float16 underflow happens in each replica's gradients,
-        before they are summed."""
+        its gradients at `2**log2_scale`: float16 underflow happens in each
+        replica's gradients, before they are summed. Taken on every step
+        (a conditional would cost more, see `record`)."""
+        total = stats.grouped_statistics(
+            grads, [0] * len(grads), 1, log2_scale, sample=stats.SAMPLE
+        )
+        return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
 
-        def measure():
-            total = stats.grouped_statistics(grads, [0] * len(grads), 1, log2_scale)
-            return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
+    def record(self, measured, unscaled, rows, step, packed=None):
+        """Where `measured`, records a finite step's unscaled gradients, per
+        variable (at `rows`) and in total; with several replicas or
+        micro-batches the total histogram, zeros and peak are their own,
+        combined (`packed`), the per-variable records those of the sum.
 
-        return ops.cond(scheduled, measure, lambda: ops.zeros((PACKED_SIZE,), "float32"))
-
-    def record(self, unscaled, rows, step, packed=None):
-        """Records a finite step's unscaled gradients, per variable (at
-        `rows`) and in total; with several replicas or micro-batches the
-        total histogram, zeros and peak are their own, combined (`packed`),
-        the per-variable records those of the sum."""
-        each = stats.grouped_statistics(unscaled, range(len(unscaled)), len(unscaled))
+        The statistics are taken on every step, from a sample of each
+        gradient (`gradient_statistics.SAMPLE`), and written where
+        `measured`: a conditional in the compiled step makes XLA give its
+        operands buffers and layouts of their own, and on a GPU waits on the
+        host for its predicate.
+        """
+        each = stats.grouped_statistics(
+            unscaled, range(len(unscaled)), len(unscaled), sample=stats.SAMPLE
+        )
         histogram = ops.sum(each.histograms, axis=0)
         max_abs = ops.max(each.max_abs)
         zeros = ops.sum(each.zeros)
@@ -120,21 +127,23 @@ class Measurement:
             histogram = packed[: float16.NUM_BINS]
             zeros, max_abs = ops.unstack(packed[float16.NUM_BINS :])
         norms = ops.sqrt(each.squares)
-        self.variable_gradient_histograms.assign(
-            ops.scatter_update(self.variable_gradient_histograms.value, rows, each.histograms)
-        )
-        self.variable_gradient_norms.assign(
-            ops.scatter_update(self.variable_gradient_norms.value, rows, norms)
-        )
-        self.gradient_histogram.assign(histogram)
-        self.gradient_zeros.assign(zeros)
-        self.gradient_max.assign(max_abs)
-        self.gradient_norm.assign(ops.sqrt(ops.sum(ops.square(norms))))
-        self.scale_window.assign(ops.stack(
+
+        def write(variable, value):
+            variable.assign(ops.where(measured, value, variable.value))
+
+        write(self.variable_gradient_histograms,
+              _placed(self.variable_gradient_histograms.value, rows, each.histograms))
+        write(self.variable_gradient_norms,
+              _placed(self.variable_gradient_norms.value, rows, norms))
+        write(self.gradient_histogram, histogram)
+        write(self.gradient_zeros, zeros)
+        write(self.gradient_max, max_abs)
+        write(self.gradient_norm, ops.sqrt(ops.sum(ops.square(norms))))
+        write(self.scale_window, ops.stack(
             stats.scale_bounds(self.weights(histogram), max_abs, self.underflow_rate)
         ))
-        self.measurements.assign_add(1)
-        self.measured_step.assign(step)
+        self.measurements.assign_add(ops.cast(measured, self.measurements.dtype))
+        write(self.measured_step, ops.cast(step, self.measured_step.dtype))
 
     def proposal(self, log2_headroom):
         """The adaptive rule's exponent from the last measurement, and
@@ -156,6 +165,14 @@ class Measurement:
             ),
             self.underflow_fraction.value,
         ))
+
+
+def _placed(old, rows, new):
+    """`old` with its rows at `rows` (static ints) replaced by `new`'s, as
+    one gather with constant indices (a scatter costs more on CPU)."""
+    position = {row: i for i, row in enumerate(rows)}
+    index = [position.get(row, len(rows) + row) for row in range(old.shape[0])]
+    return ops.take(ops.concatenate([ops.cast(new, old.dtype), old], axis=0), index, axis=0)
 
 
 def layers(scales, norms, histograms):

@@ -229,7 +229,6 @@ class AdaptiveLossScaleOptimizer(
         log2_scale = 0.0 if already_unscaled else ops.round(ops.log2(self.dynamic_scale.value))
         return measurement.Measurement.packed(
             [grads[i] for i in self._regular(variables)], log2_scale,
-            ops.equal(self._step_state.steps_to_measure.value, 0),
         ), stats.combine_measurements
 
     def _default_scaling(self, grads, tables):
@@ -403,14 +402,9 @@ class AdaptiveLossScaleOptimizer(
     def _record(self, regular, rows, unscaled, finite, finite_each, measure, packed):
         """Flags non-finite gradients (on a skipped step) and, on a measured
         one, records the statistics, per variable at its row."""
-        rows = [[row] for row in rows]
-        self._step_state.note_non_finite(finite, finite_each, rows)
-        branching.cond(
-            measure,
-            lambda: self._measurement.record([unscaled[i] for i in regular], rows,
-                                             self._step_state.total_steps.value, *packed),
-            lambda: None,
-        )
+        self._step_state.note_non_finite(finite, finite_each, [[row] for row in rows])
+        self._measurement.record(measure, [unscaled[i] for i in regular], rows,
+                                 self._step_state.total_steps.value, *packed)
 
     def _next_state(self, state, steps, unscaled, finite, loss_finite, measure, scheduled):
         """The policy's next state (per layer, each table writes its own)."""

@@ -132,6 +132,13 @@ class _TrainStep:
             )
         return self._function(x, y, sample_weight)
 
+    def compiled_program(self, x, y, sample_weight=None):
+        """The optimized XLA program (HLO text) of the step for these
+        inputs, as XLA compiles it (`jit_compile=True`, no strategy)."""
+        return self._function.experimental_get_compiler_ir(x, y, sample_weight)(
+            stage="optimized_hlo"
+        )
+
     def tracing_count(self):
         """How many times the step has been traced."""
         return self._function.experimental_get_tracing_count()

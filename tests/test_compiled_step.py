@@ -1,0 +1,140 @@
+"""The compiled step holds no `conditional`, in any mode, like stock's.
+
+XLA's GPU runtime runs a `conditional` by copying its predicate to the host
+and waiting for the stream; on CPU its operands get buffers and layouts of
+their own. So the optimized XLA program of every compiled step with
+`accumulation_steps=1` (fit's on both backends, `make_train_step`'s and a
+custom `GradientTape` loop's on TensorFlow) must hold none: statistics are
+taken on every step and kept by selects. Stock's holds none on TensorFlow
+and two on JAX; with accumulation the window's last micro-batch decides in
+a conditional: the check finds those.
+"""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+from helpers import JAX
+from helpers import TF
+
+import tf_adaptive_scale as tas
+
+MODES = ["none", "static", "dynamic", "adaptive", "per_layer"]
+
+
+def conditionals(hlo):
+    """The number of `conditional` instructions in an HLO module's text."""
+    return len(re.findall(r"\sconditional\(", hlo))
+
+
+def small_conv_net():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(8, 3, padding="same"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(4),
+    ])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8, 8, 3)).astype("float32")
+    return model, x, rng.integers(0, 4, 4).astype("int32")
+
+
+def optimizer_for(mode, **kwargs):
+    if mode == "stock":
+        return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
+    return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling=mode, **kwargs)
+
+
+def fit_program(model, optimizer, x, y):
+    """The optimized XLA program of `model.fit`'s step, after one step."""
+    if isinstance(optimizer, tas.AdaptiveLossScaleOptimizer) and optimizer.scaling == "per_layer":
+        model = tas.instrument(model)
+    # Built by a first step; on TensorFlow without XLA, which compiles the
+    # same step below (compiling it twice doubled the large model's time).
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=JAX)
+    model.train_on_batch(x, y)
+    if JAX:
+        import jax
+
+        state = tuple([v.value for v in variables] for variables in (
+            model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables))
+        return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
+    import tensorflow as tf
+
+    step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
+    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_step_holds_no_conditional(mode):
+    model, x, y = small_conv_net()
+    hlo = fit_program(model, optimizer_for(mode), x, y)
+    assert " convolution(" in hlo  # the whole step, not a part of it
+    assert conditionals(hlo) == 0
+
+
+def test_stock_step_for_reference():
+    """Stock's step holds none on TensorFlow (XLA turns its decision into
+    selects); on JAX, Keras's own `stateless_apply` decides with
+    `lax.cond`, which the check finds."""
+    model, x, y = small_conv_net()
+    found = conditionals(fit_program(model, optimizer_for("stock"), x, y))
+    assert found > 0 if JAX else found == 0
+
+
+@pytest.mark.skipif(not TF, reason="gradient accumulation compiles on TensorFlow")
+def test_accumulation_keeps_its_window_conditional():
+    """The check finds a conditional where there is one on TensorFlow too."""
+    model, x, y = small_conv_net()
+    assert conditionals(fit_program(model, optimizer_for("adaptive", accumulation_steps=2),
+                                    x, y)) > 0
+
+
+@pytest.mark.skipif(not TF, reason="make_train_step and tf.function are TensorFlow's")
+@pytest.mark.parametrize("mode", ["adaptive", "per_layer"])
+def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
+    import tensorflow as tf
+
+    model, x, y = small_conv_net()
+    if mode == "per_layer":
+        model = tas.instrument(model)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    step = tas.make_train_step(model, loss_fn, optimizer_for(mode), jit_compile=True)
+    assert conditionals(step.compiled_program(x, y)) == 0
+
+    optimizer = optimizer_for(mode)
+
+    @tf.function(jit_compile=True)
+    def custom_step(xb, yb):  # the README's GradientTape loop
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    optimizer.build(model.trainable_variables)
+    custom_step(x, y)
+    hlo = custom_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+    assert " convolution(" in hlo and conditionals(hlo) == 0
+
+
+@pytest.mark.skipif(not TF, reason="one backend suffices for the large model's compile")
+def test_instrumented_keras_application_step_holds_no_conditional():
+    # VGG16's 13 convolutions (MobileNet's 91 layers took a minute to compile).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.applications.VGG16(
+        weights=None, include_top=False, input_shape=(32, 32, 3), pooling="avg"
+    )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 32, 32, 3)).astype("float32")
+    hlo = fit_program(model, optimizer_for("per_layer"), x, np.array([0, 1], "int32"))
+    # Forward, and both gradients (but the input's).
+    assert hlo.count(" convolution(") == 3 * 13 - 1
+    assert conditionals(hlo) == 0

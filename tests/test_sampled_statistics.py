@@ -1,0 +1,88 @@
+"""The statistics the optimizer takes on every step, from a fixed strided
+sample of each gradient, against the exact ones.
+
+Peaks, non-finite counts and norms are exact (they guard against overflow);
+histograms and zeros are estimates. The scales chosen from them must stay
+within one binade of those the exact histograms give, on the benchmarks'
+models (`benchmarks/step_cost.py`), globally and per layer.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+from helpers import ROOT
+from keras import ops
+
+import tf_adaptive_scale as tas
+from tf_adaptive_scale import gradient_scale
+from tf_adaptive_scale import gradient_statistics as stats
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import step_cost  # noqa: E402
+
+
+def test_sample_estimates_counts_and_keeps_peaks_exact():
+    """A 1024-wide kernel whose every 256th column is dead (zero): a round
+    stride would read only those columns; the prime one reads them all
+    alike. Peaks, non-finite counts and squares are the exact ones."""
+    rng = np.random.default_rng(0)
+    kernel = (rng.standard_normal((512, 1024)) * 2.0 ** rng.integers(-30, -5, (512, 1024)))
+    kernel[:, ::256] = 0.0
+    kernel[3, 5] = np.inf
+    kernel = kernel.astype("float32")
+    exact = stats.grouped_statistics([ops.array(kernel)], [0], 1)
+    sampled = stats.grouped_statistics([ops.array(kernel)], [0], 1, sample=stats.SAMPLE)
+    for name in ("max_abs", "non_finite", "squares"):
+        np.testing.assert_array_equal(np.asarray(getattr(sampled, name)),
+                                      np.asarray(getattr(exact, name)))
+    total = kernel.size
+    assert float(sampled.zeros[0]) == pytest.approx(float(exact.zeros[0]), rel=0.3)
+    estimated, true = np.asarray(sampled.histograms[0]), np.asarray(exact.histograms[0])
+    assert np.sum(estimated) == pytest.approx(np.sum(true), rel=0.01)
+    # Each binade's share within 1% of all values.
+    np.testing.assert_allclose(estimated / total, true / total, atol=0.01)
+
+
+def chosen_scales(family, scaling, sample, steps=3):
+    """After `steps` steps of a benchmark model, with the statistics sampled
+    or (`sample=None`) exact: log2 of the scale(s) chosen, and the lowest
+    scale(s) keeping underflow within the rate (`scale_bounds`' low, which
+    the sample's quantile decides), both `(units,)`."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model, shape = step_cost.FAMILIES[family]()
+    if scaling == "per_layer":
+        model = tas.instrument(model)
+    optimizer = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling=scaling, update_every=1
+    )
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    saved = stats.SAMPLE
+    stats.SAMPLE = sample
+    gradient_scale._measured_rows.cache_clear()  # traced with the constant
+    try:
+        for step in range(steps):
+            model.train_on_batch(*step_cost.batch_for(model, shape, step))
+    finally:
+        stats.SAMPLE = saved
+        gradient_scale._measured_rows.cache_clear()
+    if scaling != "per_layer":
+        return np.log2([float(optimizer.loss_scale)]), np.asarray(optimizer.scale_window)[:1]
+    (table,) = [layer for layer in model.layers if isinstance(layer, tas.ScaleTable)]
+    statistics = np.asarray(table.statistics)[1:]  # the loss unit has none
+    low, _ = stats.scale_bounds(statistics[:, : stats.NUM_BINS], np.ones(len(statistics)),
+                                optimizer.underflow_rate)
+    return np.log2(np.array(list(optimizer.layer_scales().values()))), np.asarray(low)
+
+
+@pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
+@pytest.mark.parametrize("family", ["mlp", "cnn", "unet", "transformer"])
+def test_sampled_scales_within_one_binade_of_exact(family, scaling):
+    sampled, sampled_low = chosen_scales(family, scaling, stats.SAMPLE)
+    exact, exact_low = chosen_scales(family, scaling, None)
+    assert sampled.shape == exact.shape and sampled_low.shape == exact_low.shape
+    assert np.max(np.abs(sampled - exact)) <= 1.0
+    assert np.max(np.abs(sampled_low - exact_low)) <= 1.0
