@@ -28,7 +28,7 @@ _BINS_WITH_EXTRAS = NUM_BINS + 2
 _SMALL = 1 << 14
 # The optimizer counts exponents on a fixed strided sample of at most this
 # many values per tensor, on every step (see `grouped_statistics`).
-SAMPLE = 1 << 12
+SAMPLE = 1 << 13
 
 
 def pow2(exponent):
@@ -109,41 +109,48 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
     finite values.
 
     The counts take one segment sum per tensor of `_SMALL` values or more
-    and one for all smaller ones; peaks, non-finite counts and squared norms
-    are plain reductions per tensor, grouped afterwards.
+    and one for all smaller ones; peaks and squared norms are plain
+    reductions per tensor, grouped afterwards.
 
     Args:
         tensors: A list of tensors (any shape, any float dtype).
         groups: The group index (int) of each tensor.
         num_groups: Number of groups.
         log2_scale: As in `exponent_histogram`.
-        sample: Optional; histograms and zeros are then counted on a fixed
-            strided sample of at most `sample` values per tensor (of static
-            size), each standing for its share of the tensor: estimates of
-            the counts, at a cost that does not grow with the tensor. Peaks,
-            non-finite counts and squares stay exact.
+        sample: Optional, for statistics on every step: all but the peaks
+            are then estimated from a fixed strided sample of at most
+            `sample` values per tensor (of static size), each standing for
+            its share of the tensor, at a cost that does not grow with it.
+            The peaks take one exact pass, which also finds non-finite
+            values: a tensor holding one has the peak 0 (its step is
+            skipped) and at least one non-finite value.
 
     Returns:
         A `GroupStatistics` of float32 tensors: `histograms`
         `(num_groups, NUM_BINS)`; `max_abs`, `zeros`, `non_finite` and
         `squares`, `(num_groups,)`; zero for an empty group.
     """
-    # A sparse gradient's stored values are what float16 computed: their
-    # exponents and peak are counted; its squared norm is of its rows summed.
     flat = _flat_values(tensors)
-    summed = [ops.reshape(sparse.values(sparse.summed(t)), (-1,)) for t in tensors]
     sampled = [_strided_sample(f, sample) for f in flat]
     counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
-    counts = [c if w == 1.0 else c * w for c, (_, w) in zip(counts, sampled)]
+    squares = []
+    for t, (f, weight) in zip(tensors, sampled):
+        if weight == 1.0:  # every value; a sparse gradient's norm is of its rows summed
+            f = ops.reshape(sparse.values(sparse.summed(t)), (-1,))
+        squares.append(ops.sum(_of_finite(ops.square, f)) * weight)
+    counts = [c * weight for c, (_, weight) in zip(counts, sampled)]
     counts = _per_group(ops.segment_sum, counts, groups, num_groups)
-    # Peaks, non-finite counts and sums of squares are reductions per
-    # tensor, which XLA fuses with their producers; only their few results
-    # are grouped (segment ops over all the values are scatters).
-    peaks, non_finite = peaks_and_non_finite(tensors, groups, num_groups, flat)
-    squares = [ops.sum(_of_finite(ops.square, f)) for f in summed]
+    non_finite = counts[:, _NON_FINITE_BIN]
+    if sample is None:
+        peaks = _per_group(ops.segment_max, [ops.max(_of_finite(ops.abs, f)) for f in flat],
+                           groups, num_groups)
+    else:
+        peaks, bad = peaks_and_non_finite(tensors, groups, num_groups)
+        non_finite = ops.maximum(non_finite, bad)
     return GroupStatistics(
         histograms=counts[:, :NUM_BINS],
-        max_abs=peaks * pow2(-log2_scale),
+        # An empty group's segment max is the lowest float: no peak is 0.
+        max_abs=ops.maximum(peaks, 0.0) * pow2(-log2_scale),
         zeros=counts[:, _ZERO_BIN],
         non_finite=non_finite,
         squares=_per_group(ops.segment_sum, squares, groups, num_groups),
@@ -170,35 +177,39 @@ def _next_prime(n):
     return n
 
 
-def peaks_and_non_finite(tensors, groups, num_groups, flat=None):
-    """Per group of tensors, the largest finite |value| and the number of
-    non-finite values (`grouped_statistics`'s `max_abs` and `non_finite`
-    at scale 1), as plain reductions per tensor: no histogram.
+def peaks_and_non_finite(tensors, groups, num_groups):
+    """Per group of tensors, the largest |value| of its finite tensors and
+    the number of its tensors that hold a non-finite value, in one
+    reduction per tensor (which XLA fuses with its producer): no histogram.
 
     Args:
         tensors: A list of tensors (any shape, any float dtype).
         groups: The group index (int) of each tensor.
         num_groups: Number of groups.
-        flat: Optional, the tensors' values already flattened.
 
     Returns:
         A tuple `(max_abs, non_finite)` of float32 `(num_groups,)` tensors.
     """
-    flat = _flat_values(tensors) if flat is None else flat
-    bad = [ops.sum(ops.cast(ops.logical_not(ops.isfinite(f)), "float32")) for f in flat]
-    return _peaks(flat, groups, num_groups), _per_group(ops.segment_sum, bad, groups, num_groups)
+    peaks, bad = [], []
+    for t in tensors:
+        # Over the tensor's own shape and dtype: flattening a gradient whose
+        # layout is not row-major would copy it.
+        values = sparse.values(t)
+        magnitude = ops.abs(values)
+        top = ops.max(ops.where(ops.isfinite(values), magnitude,
+                                ops.cast(np.inf, magnitude.dtype)))
+        top = ops.cast(top, "float32")
+        bad.append(ops.cast(ops.isinf(top), "float32"))
+        peaks.append(ops.where(ops.isinf(top), 0.0, top))
+    return (
+        ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0),
+        _per_group(ops.segment_sum, bad, groups, num_groups),
+    )
 
 
 def _flat_values(tensors):
     """Each tensor's values (a sparse one's stored rows) as a 1-D tensor."""
     return [ops.reshape(sparse.values(t), (-1,)) for t in tensors]
-
-
-def _peaks(flat, groups, num_groups):
-    """Per group, the largest finite |value| of its 1-D tensors `flat`."""
-    peaks = [ops.max(_of_finite(ops.abs, f)) for f in flat]
-    # An empty group's segment max is the lowest float: no peak is 0.
-    return ops.maximum(_per_group(ops.segment_max, peaks, groups, num_groups), 0.0)
 
 
 def _counts_per_tensor(flat, log2_scale):
