@@ -356,9 +356,11 @@ class AdaptiveScaling(Policy):
         scale = ops.where(
             back_off, ops.where(state.calibrated, halved, dropped), scale
         )
+        # The cap stays within the bounds (an overflow at `min_scale` caps it there).
         ceiling = ops.where(
             back_off,
-            ops.where(state.calibrated, halved, state.log2_scale - 1.0),
+            ops.where(state.calibrated, halved,
+                      ops.maximum(state.log2_scale - 1.0, self.log2_min)),
             ceiling,
         )
         state = self._schedule(
