@@ -53,20 +53,19 @@ def fit_program(model, optimizer, x, y):
     """The optimized XLA program of `model.fit`'s step, after one step."""
     if isinstance(optimizer, tas.AdaptiveLossScaleOptimizer) and optimizer.scaling == "per_layer":
         model = tas.instrument(model)
-    # Built by a first step; on TensorFlow without XLA, which compiles the
-    # same step below (compiling it twice doubled the large model's time).
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=JAX)
-    model.train_on_batch(x, y)
+                  jit_compile=True)
     if JAX:
         import jax
 
+        model.train_on_batch(x, y)  # builds the state the step takes
         state = tuple([v.value for v in variables] for variables in (
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables))
         return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
     import tensorflow as tf
 
+    # Traced once, here (its first trace may create the metrics' variables).
     step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
     return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
 
@@ -111,7 +110,7 @@ def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
     optimizer = optimizer_for(mode)
 
     @tf.function(jit_compile=True)
-    def custom_step(xb, yb):  # the README's GradientTape loop
+    def custom_step(xb, yb):  # docs/custom_loops.md's GradientTape loop
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
             scaled = optimizer.scale_loss(loss)

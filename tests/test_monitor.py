@@ -364,3 +364,52 @@ def test_reports_carry_the_mean_loss_since_the_last_report_and_the_mode(tmp_path
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     assert [r["step"] for r in monitor.records] == [3, 6, 8, 11, 14, 16]
     assert {r["scaling"] for r in monitor.records} == {"dynamic"}
+
+
+def overflowing_middle_layer(nested=False):
+    """A float16 model whose middle layer's output overflows (8 inputs of
+    about 10 times 1e3 each: 8e4 > 65504); the layers before it are finite,
+    the ones after it and the loss are not."""
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, kernel_initializer="ones", name="first")(inputs)
+    block = keras.Sequential([
+        keras.layers.Dense(8, kernel_initializer=keras.initializers.Constant(1e3),
+                           name="blows_up"),
+        keras.layers.Dense(8, name="after"),
+    ], name="block")
+    h = block(h) if nested else block.layers[1](block.layers[0](h))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    x = np.full((16, 4), 2.5, "float32")
+    return model, x, np.zeros((16, 1), "float32")
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_non_finite_loss_names_the_layer_whose_float16_output_overflows(nested, float16_policy):
+    keras.mixed_precision.set_global_policy("float32")
+    model, x, y = overflowing_middle_layer(nested)
+    assert tas.first_non_finite_layer(model, x) is None  # float32 holds 8e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model, x, y = overflowing_middle_layer(nested)
+    name = "block/blows_up" if nested else "blows_up"
+    assert not np.all(np.isfinite(np.asarray(model(x))))
+    assert tas.first_non_finite_layer(model, x) == (name, "float16")
+    monitor = tas.ScaleMonitor(every_n_steps=1, probe=x[:4], verbose=0)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    with pytest.warns(RuntimeWarning, match=f"layer '{name}': its float16 output is not finite"):
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)
+    assert [(f["layer"], f["kind"]) for f in monitor.flags] == [(name, "forward_overflow")]
+    assert monitor.records[-1]["loss_finite"] is False
+    assert "bfloat16" in monitor.summary()
+
+
+def test_finite_forward_pass_names_no_layer_and_bad_data_says_so(float16_policy):
+    model = named_mlp()
+    xs, ys = data()
+    assert tas.first_non_finite_layer(model, xs) is None
+    monitor = tas.ScaleMonitor(every_n_steps=1, probe=xs[:4], verbose=0)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    ys = ys.copy()
+    ys[:8] = np.nan  # the first batch's labels: bad data, not the model
+    with pytest.warns(RuntimeWarning, match="the loss was not finite and the probe"):
+        model.fit(xs, ys, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)
+    assert [(f["layer"], f["kind"]) for f in monitor.flags] == [("(all)", "loss_not_finite")]

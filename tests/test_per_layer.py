@@ -1,8 +1,8 @@
 """Per-layer scaling in training: the rule, statistics on update steps only,
-overflow attribution, fit/XLA, custom loops (the README's, make_train_step),
-float64 models, save/load, checkpoints and a model saved on one backend
-loaded on the other. (A unit far below the loss, beyond the global bound:
-`test_fit.py`, on both backends.)"""
+overflow attribution, fit/XLA, custom loops (docs/per_layer.md's,
+make_train_step), float64 models, save/load, checkpoints and a model saved on
+one backend loaded on the other. (A unit far below the loss, beyond the global
+bound: `test_fit.py`, on both backends.)"""
 
 import contextlib
 import inspect
@@ -207,7 +207,7 @@ def test_custom_loop_traced_once_with_xla():
     traces = []
 
     @tf.function(jit_compile=True)
-    def step(xb, yb):  # the README's loop
+    def step(xb, yb):  # docs/per_layer.md's loop
         traces.append(1)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(inst(xb, training=True) - yb))
@@ -593,15 +593,15 @@ def test_float64_models_are_converted_exactly():
         np.testing.assert_array_equal(g.numpy() / scale, r.numpy())
 
 
-def _readme_per_layer_loop():
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+def _documented_per_layer_loop():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "per_layer.md")) as f:
         text = f.read()
     blocks = text.split("```python")[1:]
     (code,) = [b.split("```")[0] for b in blocks if "optimizer.build(instrumented" in b]
     return "\n".join(line[2:] if line.startswith("  ") else line for line in code.splitlines())
 
 
-def test_readme_per_layer_loop_does_not_back_off_on_nan_batches():
+def test_documented_per_layer_loop_does_not_back_off_on_nan_batches():
     # The loop called no scale_loss/observe_loss: a NaN batch counted as an
     # overflow and backed every unit off a binade.
     model = head_on(shared_backbone(), "m")
@@ -611,7 +611,7 @@ def test_readme_per_layer_loop_does_not_back_off_on_nan_batches():
         "tf": tf, "instrumented": instrumented, "optimizer": optimizer,
         "loss_fn": keras.losses.MeanSquaredError(),
     }
-    exec(_readme_per_layer_loop(), namespace)
+    exec(_documented_per_layer_loop(), namespace)
     x, y = normal((8, 6)), normal((8, 3), 1)
     namespace["train_step"](x, y)  # calibrates
     before = instrumented.scale_table.log2_scales.numpy().copy()

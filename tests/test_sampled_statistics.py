@@ -48,7 +48,7 @@ def test_sample_estimates_counts_and_keeps_peaks_exact():
     assert float(sampled.non_finite[0]) >= 1 and float(sampled.max_abs[0]) == 0
 
 
-def chosen_scales(family, scaling, sample, steps=3):
+def chosen_scales(family, scaling, sample, steps=2):
     """After `steps` steps of a benchmark model, with the statistics sampled
     or (`sample=None`) exact: log2 of the scale(s) chosen, and the lowest
     scale(s) keeping underflow within the rate (`scale_bounds`' low, which

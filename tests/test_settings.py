@@ -1,6 +1,6 @@
 """The settings record: every argument once, and everything that lists them
-(the docstring, the README's table, get_config) agrees with it; the clipping
-chain runs in the order given."""
+(the docstring, the table of docs/arguments.md, get_config) agrees with it;
+the clipping chain runs in the order given."""
 
 import dataclasses
 import os
@@ -16,12 +16,12 @@ from tf_adaptive_scale import settings
 
 from backend_step import stepper
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+ARGUMENTS_PAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "arguments.md")
 
 
-def _readme_arguments():
-    """`{name: default}` from the README's argument table."""
-    with open(README) as f:
+def _documented_arguments():
+    """`{name: default}` from the argument table of docs/arguments.md."""
+    with open(ARGUMENTS_PAGE) as f:
         text = f.read()
     table = text[text.index("| argument | default | meaning |"):].split("\n\n")[0]
     found = {}
@@ -36,8 +36,8 @@ def _readme_arguments():
     return found
 
 
-def test_readme_table_lists_every_argument_with_its_default():
-    table = _readme_arguments()
+def test_arguments_page_lists_every_argument_with_its_default():
+    table = _documented_arguments()
     expected = ["inner_optimizer", *settings.NAMES, "name"]
     assert list(table) == expected
     for field in dataclasses.fields(settings.Settings):

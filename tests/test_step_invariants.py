@@ -141,7 +141,7 @@ def per_layer_run(update_every, lr=1e-3):
     def step(nan_loss=False):
         if nan_loss:
             # Keras's JAX trainer calls `scale_loss` in a scope it discards,
-            # so there `fit` loses the note of a NaN loss (README, "Keras on
+            # so there `fit` loses the note of a NaN loss (docs/jax.md, "Keras on
             # JAX"): note it eagerly first, which reaches the variables. On
             # TensorFlow the trainer's `scale_loss` replaces this note with
             # its own, from the poisoned loss.

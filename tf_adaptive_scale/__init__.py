@@ -6,6 +6,7 @@ from tf_adaptive_scale import demo_console  # noqa: I001
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale.forward_check import first_non_finite_layer
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
 from tf_adaptive_scale.instrument import InstrumentedModel
@@ -50,6 +51,7 @@ __all__ = [
     "ScaleMonitor",
     "ScaleTable",
     "SkippedStepsError",
+    "first_non_finite_layer",
     "instrument",
     "make_train_step",
     "plot_report",

@@ -136,7 +136,7 @@ class _InstrumentedGraph:
     def outputs(self, model):
         """`model`'s outputs on the new inputs, cast by their boundaries to
         float32 (float64 stays), with the loss gradient entering at scale 1."""
-        outputs = _run(model, self.inputs, self.call)
+        outputs = keras_internals.run_graph(model, self.inputs, self.call)
         return keras.tree.map_structure(
             lambda t: self.boundary(t, LOSS_UNIT, output_dtype=_output_dtype(t)),
             outputs,
@@ -156,7 +156,7 @@ class _InstrumentedGraph:
         """Calls `op` on its arguments through boundaries into its unit (an
         inlined model: its own graph), recording its outputs' unit."""
         if id(op) in self.inlined:
-            return _run(op, args[0], self.call)
+            return keras_internals.run_graph(op, args[0], self.call)
         unit = self.unit_of[id(op)]
         args, kwargs = keras.tree.map_structure(
             lambda t: self.boundary(t, unit) if _is_tensor(t) else t,
@@ -553,13 +553,3 @@ def _group_by_variables(ops, arguments):
     for i, op in enumerate(ops):
         groups.setdefault(find(i), []).append(op)
     return list(groups.values())
-
-
-def _run(model, inputs, call):
-    """Runs `model`'s graph on `inputs`, calling each operation through `call`."""
-    if isinstance(model, keras.Sequential):
-        x = inputs
-        for layer in model.layers:
-            x = call(layer, x)
-        return x
-    return keras_internals.run_graph(model, inputs, call)

@@ -6,6 +6,8 @@ function says what it reads and why no public API serves.
 
 import contextlib
 
+import keras
+
 
 # Layers and models: losses.
 
@@ -63,12 +65,16 @@ def graph_calls(model):
 
 
 def run_graph(model, inputs, call):
-    """Runs a Functional model's graph on `inputs`, making each call as
-    `call(operation, *args, **kwargs)`.
+    """Runs a Functional (or Sequential) model's graph on `inputs`, making
+    each call as `call(operation, *args, **kwargs)`.
 
     Keras has no public graph walker that hands back the output tensors;
     `_run_through_graph` is the one `keras.models.clone_model` uses.
     """
+    if isinstance(model, keras.Sequential):
+        for layer in model.layers:
+            inputs = call(layer, inputs)
+        return inputs
     return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
 
 

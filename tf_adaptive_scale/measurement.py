@@ -37,6 +37,8 @@ class Reading(NamedTuple):
         total_steps: Optimizer steps so far, applied or skipped (with
             accumulation, windows), restored with the optimizer's state.
         skipped_steps: Steps skipped so far.
+        loss_finite: Whether the last step's loss was finite (as far as the
+            optimizer learnt: Keras's JAX trainer does not tell it).
         clipped_steps: Applied steps on which clipping acted.
         measurements: Measured steps so far.
         measured_step: `total_steps` of the last measured step (-1: none).
@@ -49,6 +51,7 @@ class Reading(NamedTuple):
     in_float16: bool
     total_steps: int
     skipped_steps: int
+    loss_finite: bool
     clipped_steps: int
     measurements: int
     measured_step: int
@@ -201,7 +204,8 @@ def layers(scales, norms, histograms):
     }
 
 
-def read(measured, loss_scale, total_steps, skipped_steps, clipped_steps, policy, scales):
+def read(measured, loss_scale, total_steps, skipped_steps, loss_finite, clipped_steps,
+         policy, scales):
     """A `Reading` of an optimizer's variables.
 
     Args:
@@ -209,6 +213,7 @@ def read(measured, loss_scale, total_steps, skipped_steps, clipped_steps, policy
         loss_scale: Its scale variable.
         total_steps: Its step counter (applied and skipped steps).
         skipped_steps: Its skipped-steps counter.
+        loss_finite: Its flag of the last step's loss.
         clipped_steps: Its clipped-steps counter.
         policy: Its `scale_policy.Policy`, or None before the mode is known.
         scales: Its `gradient_scales()`.
@@ -221,6 +226,7 @@ def read(measured, loss_scale, total_steps, skipped_steps, clipped_steps, policy
         in_float16=policy is None or policy.in_float16,
         total_steps=int(total_steps.numpy()),
         skipped_steps=int(skipped_steps.numpy()),
+        loss_finite=bool(loss_finite.numpy()),
         clipped_steps=int(clipped_steps.numpy()),
         measurements=int(measured.measurements.numpy()),
         measured_step=int(measured.measured_step.numpy()),
@@ -302,7 +308,8 @@ class MeasurementReader:
         """
         return read(
             self._measurement, self.dynamic_scale, self._step_state.total_steps,
-            self._step_state.skipped_steps, self.clipped_steps, self.policy,
+            self._step_state.skipped_steps, self._step_state.last_loss_finite,
+            self.clipped_steps, self.policy,
             self.gradient_scales(),
         )
 

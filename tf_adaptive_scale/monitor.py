@@ -19,6 +19,7 @@ import numpy as np
 
 from tf_adaptive_scale import backends
 from tf_adaptive_scale import float16
+from tf_adaptive_scale import forward_check
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import validation
 
@@ -78,7 +79,12 @@ class ScaleMonitor(keras.callbacks.Callback):
     two reports. `flags` keeps them; training's end prints a summary. When
     the optimizer has skipped `max_consecutive_skips` steps in a row, it
     stops `fit` cleanly (like `keras.callbacks.TerminateOnNaN`) and keeps the
-    `SkippedStepsError` in `stop_error`.
+    `SkippedStepsError` in `stop_error`. A report after a step whose loss
+    was not finite says where the forward pass stopped being finite: given
+    a batch of inputs `probe`, it runs it through the model call by call
+    (`tas.first_non_finite_layer`, eagerly, once per report) and names the
+    first layer whose output is not finite from finite inputs, which no
+    loss scale fixes (custom loops: `monitor.set_model(model)`).
 
     Args:
         every_n_steps: Steps between two reports.
@@ -96,6 +102,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         exploding_factor: See above.
         underflow_warning: See above.
         skipped_run: See above.
+        probe: Optional batch of the model's inputs for the forward check
+            (see above); not saved in `get_config`.
         verbose: 0 to print nothing at the end of training.
 
     Example:
@@ -120,6 +128,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         exploding_factor=10.0,
         underflow_warning=0.05,
         skipped_run=5,
+        probe=None,
         verbose=1,
     ):
         super().__init__()
@@ -137,6 +146,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             "underflow_warning", underflow_warning
         )
         self.skipped_run = validation.positive_int("skipped_run", skipped_run)
+        self.probe = probe
         self.verbose = verbose
         self._optimizer = _adaptive("`optimizer`", optimizer) if optimizer is not None else None
         self.stop_error = None
@@ -252,6 +262,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             "loss_scale": reading.loss_scale,
             "skipped_steps": reading.skipped_steps,
             "skipped_since_last": reading.skipped_steps - self._last["skipped"],
+            "loss_finite": reading.loss_finite,
             "grad_norm": reading.gradient_norm,
             "clip_rate": (reading.clipped_steps - self._last["clipped"]) / steps,
             "measured_step": reading.measured_step,
@@ -346,6 +357,8 @@ class ScaleMonitor(keras.callbacks.Callback):
                        f"{record['skipped_since_last']} steps skipped since the last "
                        "report (non-finite gradients or loss)")
             self._flagged.discard(("(all)", "skipped"))  # every run is news
+        if not record["loss_finite"]:
+            self._flag(record, *self._forward_check())
         if not new_measurement:
             return  # the same statistics as last time
         layers = record["layers"]
@@ -382,6 +395,23 @@ class ScaleMonitor(keras.callbacks.Callback):
                 self._flag(record, name, "underflow",
                            f"{100 * underflow:.1f}% of its gradient values underflow "
                            f"float16 at its scale 2**{math.log2(entry['scale']):g}")
+
+    def _forward_check(self):
+        """`(layer, kind, message)` on a step whose loss was not finite."""
+        found = None
+        if self.probe is not None and self.model is not None:
+            found = forward_check.first_non_finite_layer(self.model, self.probe)
+        if found is not None:
+            layer, dtype = found
+            return layer, "forward_overflow", (
+                f"its {dtype} output is not finite from finite inputs, so the loss "
+                "was not finite; no loss scale fixes that: compute this layer in "
+                "float32 (`dtype='float32'`) or train in bfloat16 ('mixed_bfloat16')"
+            )
+        why = ("and the probe's forward pass is finite: bad data?" if self.probe is not None
+               else "(bad data, or a forward pass that overflows float16: "
+                    "ScaleMonitor(probe=x_batch) names the layer)")
+        return "(all)", "loss_not_finite", f"the loss was not finite {why}"
 
     def _count(self, layer, kind, hit):
         key = (layer, kind)

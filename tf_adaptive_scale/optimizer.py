@@ -47,8 +47,8 @@ class AdaptiveLossScaleOptimizer(
        next scale, which is written to the optimizer's variables.
 
     Arguments and state variables read as attributes (`update_every`,
-    `measurements`); `iterations` counts applied steps only. The README's
-    "Arguments", "The adaptive rule" and "Per-layer scaling" give the rules.
+    `measurements`); `iterations` counts applied steps only. The rules are in
+    docs/arguments.md ("Arguments", "The adaptive rule") and docs/per_layer.md.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.

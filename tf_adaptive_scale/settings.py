@@ -2,7 +2,7 @@
 
 Each field is an argument with its default and its check; the optimizer's
 signature, validation, attributes and `get_config` all come from this record
-(and a test holds the class docstring and the README's table to it).
+(and a test holds the class docstring and docs/arguments.md's table to it).
 """
 
 import dataclasses
