@@ -28,7 +28,7 @@ _BINS_WITH_EXTRAS = NUM_BINS + 2
 _SMALL = 1 << 14
 # The optimizer counts exponents on a fixed strided sample of at most this
 # many values per tensor, on every step (see `grouped_statistics`).
-SAMPLE = 1 << 13
+SAMPLE = 1 << 14
 
 
 def pow2(exponent):
