@@ -42,7 +42,8 @@ class Reading(NamedTuple):
         clipped_steps: Applied steps on which clipping acted.
         measurements: Measured steps so far.
         measured_step: `total_steps` of the last measured step (-1: none).
-        gradient_norm: Global norm of the last measured unscaled gradients.
+        gradient_norm: Global norm of the last measured unscaled gradients
+            (of a large gradient, estimated from its sample).
         layers: `{layer name: (log2 scale, gradient norm, histogram)}` of the
             last measured step, each layer's variables taken together.
     """
