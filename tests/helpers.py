@@ -327,6 +327,40 @@ def stepper(optimizer, variables, jit=True):
     return step
 
 
+def conv_net():
+    """A small float16 convolutional model (sets `mixed_float16`), a batch
+    and mse targets."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([
+        keras.Input((8, 8, 4)),
+        layers.Conv2D(8, 3, padding="same", activation="relu"),
+        layers.Conv2D(8, 3, padding="same"),
+        layers.GlobalAveragePooling2D(),
+        layers.Dense(2),
+    ])
+    x = np.random.default_rng(0).standard_normal((4, 8, 8, 4)).astype("float32")
+    return model, x, np.ones((4, 2), "float32")
+
+
+def optimized_fit_program(model, optimizer, x, y, loss="mse"):
+    """The optimized XLA program (HLO text) of `model.fit`'s step."""
+    model.compile(optimizer, loss, jit_compile=True)
+    if JAX:
+        import jax
+
+        model.train_on_batch(x, y)  # builds the state the step takes
+        state = tuple([v.value for v in variables] for variables in (
+            model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables))
+        return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
+    import tensorflow as tf
+
+    # Traced once, here (its first trace may create the metrics' variables;
+    # a first `train_on_batch` would compile the same step twice).
+    step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
+    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+
+
 # ----------------------------------------------------- child processes
 
 

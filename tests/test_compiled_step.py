@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from helpers import JAX
 from helpers import TF
+from helpers import conv_net
+from helpers import optimized_fit_program
 
 import tf_adaptive_scale as tas
 
@@ -28,51 +30,22 @@ def conditionals(hlo):
     return len(re.findall(r"\sconditional\(", hlo))
 
 
-def small_conv_net():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8, 8, 3)),
-        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(8, 3, padding="same"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(4),
-    ])
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 8, 8, 3)).astype("float32")
-    return model, x, rng.integers(0, 4, 4).astype("int32")
-
-
 def optimizer_for(mode, **kwargs):
     if mode == "stock":
         return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
     return tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling=mode, **kwargs)
 
 
-def fit_program(model, optimizer, x, y):
-    """The optimized XLA program of `model.fit`'s step, after one step."""
+def fit_program(model, optimizer, x, y, loss="mse"):
+    """The optimized program of fit's step; per layer, of the instrumented model."""
     if isinstance(optimizer, tas.AdaptiveLossScaleOptimizer) and optimizer.scaling == "per_layer":
         model = tas.instrument(model)
-    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=True)
-    if JAX:
-        import jax
-
-        model.train_on_batch(x, y)  # builds the state the step takes
-        state = tuple([v.value for v in variables] for variables in (
-            model.trainable_variables, model.non_trainable_variables,
-            model.optimizer.variables, model.metrics_variables))
-        return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
-    import tensorflow as tf
-
-    # Traced once, here (its first trace may create the metrics' variables).
-    step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
-    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+    return optimized_fit_program(model, optimizer, x, y, loss)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fit_step_holds_no_conditional(mode):
-    model, x, y = small_conv_net()
+    model, x, y = conv_net()
     hlo = fit_program(model, optimizer_for(mode), x, y)
     assert " convolution(" in hlo  # the whole step, not a part of it
     assert conditionals(hlo) == 0
@@ -82,7 +55,7 @@ def test_stock_step_for_reference():
     """Stock's step holds none on TensorFlow (XLA turns its decision into
     selects); on JAX, Keras's own `stateless_apply` decides with
     `lax.cond`, which the check finds."""
-    model, x, y = small_conv_net()
+    model, x, y = conv_net()
     found = conditionals(fit_program(model, optimizer_for("stock"), x, y))
     assert found > 0 if JAX else found == 0
 
@@ -90,7 +63,7 @@ def test_stock_step_for_reference():
 @pytest.mark.skipif(not TF, reason="gradient accumulation compiles on TensorFlow")
 def test_accumulation_keeps_its_window_conditional():
     """The check finds a conditional where there is one on TensorFlow too."""
-    model, x, y = small_conv_net()
+    model, x, y = conv_net()
     assert conditionals(fit_program(model, optimizer_for("adaptive", accumulation_steps=2),
                                     x, y)) > 0
 
@@ -100,10 +73,10 @@ def test_accumulation_keeps_its_window_conditional():
 def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
     import tensorflow as tf
 
-    model, x, y = small_conv_net()
+    model, x, y = conv_net()
     if mode == "per_layer":
         model = tas.instrument(model)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = keras.losses.MeanSquaredError()
     step = tas.make_train_step(model, loss_fn, optimizer_for(mode), jit_compile=True)
     assert conditionals(step.compiled_program(x, y)) == 0
 
@@ -133,7 +106,8 @@ def test_instrumented_keras_application_step_holds_no_conditional():
     )
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 32, 32, 3)).astype("float32")
-    hlo = fit_program(model, optimizer_for("per_layer"), x, np.array([0, 1], "int32"))
+    hlo = fit_program(model, optimizer_for("per_layer"), x, np.array([0, 1], "int32"),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     # Forward, and both gradients (but the input's).
     assert hlo.count(" convolution(") == 3 * 13 - 1
     assert conditionals(hlo) == 0

@@ -19,7 +19,8 @@ import tensorflow as tf
 import tf_adaptive_scale as tas
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as gs
-from helpers import build, head_on, normal, run_python, set_random_scales, shared_backbone
+from helpers import build, conv_net, head_on, normal, optimized_fit_program, run_python
+from helpers import set_random_scales, shared_backbone
 
 
 def per_layer_optimizer(inner=None, **kwargs):
@@ -268,33 +269,6 @@ def test_measured_edges_share_statistics_functions_with_no_conditional():
         assert not [n.op for n in body.node_def if n.op in heavy]
 
 
-def conv_net():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([
-        keras.Input((8, 8, 4)),
-        keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(8, 3, padding="same"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(2),
-    ])
-    x = np.random.default_rng(0).standard_normal((4, 8, 8, 4)).astype("float32")
-    return model, x, np.ones((4, 2), "float32")
-
-
-def hlo_step(model, optimizer, x, y):
-    """The optimized XLA program of one training step (model.fit's)."""
-    # Builds everything; without XLA, which compiles the step below (the
-    # program is the same as after an XLA `train_on_batch`, checked).
-    model.compile(optimizer, "mse", jit_compile=False)
-    model.train_on_batch(x, y)
-
-    @tf.function(jit_compile=True)
-    def step(xb, yb):
-        return model.train_step((xb, yb))
-
-    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
-
-
 def computations_under_conditionals(hlo):
     """Names of the computations a conditional runs, transitively."""
     bodies, name = {}, None
@@ -325,9 +299,9 @@ def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional():
     (50x slower): the per-layer step holds none, and every convolution of
     the stock step."""
     model, x, y = conv_net()
-    stock_hlo = hlo_step(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()), x, y)
+    stock_hlo = optimized_fit_program(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()), x, y)
     inst = tas.instrument(model)
-    hlo = hlo_step(inst, per_layer_optimizer(keras.optimizers.SGD()), x, y)
+    hlo = optimized_fit_program(inst, per_layer_optimizer(keras.optimizers.SGD()), x, y)
     assert " conditional(" not in hlo
     assert hlo.count(" convolution(") == stock_hlo.count(" convolution(") > 0
 
@@ -343,7 +317,7 @@ def test_weight_update_compiles_to_selects_as_stock(per_layer):
     x = np.random.default_rng(0).standard_normal((4, 5)).astype("float32")
     y = np.ones((4, 2), "float32")
     update = re.compile(r"= f32\[5,7\]\S* sqrt\(")
-    stock = hlo_step(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()), x, y)
+    stock = optimized_fit_program(model, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()), x, y)
     assert update.search(stock) and not [
         line for body in computations_under_conditionals(stock).values()
         for line in body if update.search(line)
@@ -352,7 +326,7 @@ def test_weight_update_compiles_to_selects_as_stock(per_layer):
         model, optimizer = tas.instrument(model), per_layer_optimizer(keras.optimizers.Adam())
     else:
         optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
-    hlo = hlo_step(model, optimizer, x, y)
+    hlo = optimized_fit_program(model, optimizer, x, y)
     assert update.search(hlo)
     assert not [
         line for body in computations_under_conditionals(hlo).values()
