@@ -1,26 +1,36 @@
 """The GPU check: Keras on JAX, where only JAX, NumPy and Keras are installed.
 
-Two measurements, printed as Markdown:
+Three sections (`--sections steps,unet,precision`), printed as Markdown:
 
-1. U-Net with a per-pixel sum loss (float16, `mixed_float16`), 16 images per
+1. `steps`: per family (`--families`: ResNet50 and MobileNetV2 at batch 128
+   of 224x224, a transformer at batch 64 of 512 tokens) and mode (stock,
+   adaptive, per layer every 100 steps and every step), fit's compiled step
+   as Keras compiles it on JAX: the median step time over interleaved rounds,
+   its ratio to stock's, stock's spread, the compile's time and ratio, and
+   the number of `conditional`s in the optimized program.
+2. `unet`: U-Net with a per-pixel sum loss (`mixed_float16`), 16 images per
    micro-batch at 2**24 and 2**25 pixels (1024x1024 and 1024x2048): for the
    stock `LossScaleOptimizer`, the best single global scale (scanned over
    powers of two) and per-layer scaling (`tas.instrument`), the largest
    per-kernel relative gradient error against a float32 reference of the
    same weights, where it is, and the steps skipped out of 20 (learning rate
    0, so every step sees the same gradients).
-2. ResNet50 (`weights=None`), batch 128 of 224x224, XLA: median step-time
-   ratios adaptive/stock and per-layer/stock, interleaved.
+3. `precision`: a small transformer with a token-mean loss at 2**14 to 2**20
+   tokens per batch: each variable's relative gradient error against
+   float32 at loss scales 2**0, 2**8 and 2**16 (an error flat across scales
+   is precision, which no scale fixes; one that falls is underflow).
 
-`--tiny` runs the same code at CPU sizes (2**12 and 2**13 pixels, ResNet50 at
-batch 2 of 64x64) in about a minute.
+`--tiny` runs the same code at CPU sizes (JAX on CPU has no float16
+attention: the transformer families need a GPU).
 
 Run: KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/gpu_check.py [--tiny]
+     [--sections steps,unet,precision] [--families resnet50,transformer] [--rounds 20]
 """
 
 import argparse
 import os
 import random
+import re
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -159,60 +169,209 @@ def unet_row(images, height, width):
     return rows
 
 
-def step_ratios(batch, size, steps):
+def resnet50(tiny):
+    size, batch = (32, 2) if tiny else (224, 128)
+    model = keras.applications.ResNet50(
+        weights=None, input_shape=(size, size, 3), classes=1000, classifier_activation=None)
+    return model, (batch, size, size, 3)
+
+
+def mobilenetv2(tiny):
+    size, batch = (32, 2) if tiny else (224, 128)
+    model = keras.applications.MobileNetV2(
+        weights=None, input_shape=(size, size, 3), classes=1000, classifier_activation=None)
+    return model, (batch, size, size, 3)
+
+
+def transformer(tiny, blocks=4):
+    batch, tokens, width = (2, 32, 64) if tiny else (64, 512, 512)
+    x = keras.Input((tokens,), dtype="int32")
+    h = layers.Embedding(1000, width)(x)
+    for _ in range(blocks):
+        a = layers.MultiHeadAttention(8, width // 8)(h, h)
+        h = layers.LayerNormalization()(layers.Add()([h, a]))
+        f = layers.Dense(4 * width, activation="gelu")(h)
+        h = layers.LayerNormalization()(layers.Add()([h, layers.Dense(width)(f)]))
+    h = layers.GlobalAveragePooling1D()(h)
+    return keras.Model(x, layers.Dense(1000)(h)), (batch, tokens)
+
+
+FAMILIES = {"resnet50": resnet50, "transformer": transformer, "mobilenetv2": mobilenetv2}
+MODES = {
+    "stock": lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()),
+    "adaptive": lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
+    "per_layer_100": lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="per_layer"),
+    "per_layer_1": lambda: tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(), scaling="per_layer", update_every=1),
+}
+
+
+def conditionals(hlo):
+    """The number of `conditional` instructions in an HLO module's text."""
+    return len(re.findall(r"\sconditional\(", hlo))
+
+
+def compiled_step(model, optimizer, x, y):
+    """fit's step, compiled as Keras compiles it on JAX (state donated):
+    the executable, the state it takes, the seconds its trace and compile
+    took, and the number of `conditional`s in its optimized program."""
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=True)
+    model._symbolic_build(data_batch=(x, y))  # what fit does first; no public API
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables,
+        model.optimizer.variables, model.metrics_variables))
+    began = time.perf_counter()
+    step = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y)).compile()
+    return step, state, time.perf_counter() - began, conditionals(step.as_text())
+
+
+def step_table(family, tiny, rounds):
+    """Per mode: the median step time of fit's compiled step over `rounds`
+    interleaved rounds (each step waited for), its ratio to stock's, the
+    spread (interquartile range over median) of stock's, the first
+    compile's ratio, and the conditionals in the program."""
     keras.mixed_precision.set_global_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, size, size, 3)).astype("float32")
-    y = rng.integers(0, 10, batch).astype("int32")
     keras.utils.set_random_seed(0)
-    base = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10)
-    weights = base.get_weights()
-    models = {}
-    for name in ("stock", "adaptive", "per_layer"):
-        model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10)
+    model, shape = FAMILIES[family](tiny)
+    batch = shape[0]
+    weights = model.get_weights()
+    rng = np.random.default_rng(0)
+    if len(shape) == 2:
+        x = jax.device_put(rng.integers(0, 1000, shape).astype("int32"))
+    else:
+        x = jax.device_put(rng.standard_normal(shape).astype("float32"))
+    y = jax.device_put(rng.integers(0, 1000, batch).astype("int32"))
+    steps, states, compiled, found = {}, {}, {}, {}
+    for mode, optimizer in MODES.items():
+        model, _ = FAMILIES[family](tiny)
         model.set_weights(weights)
-        if name == "stock":
-            optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
-        else:
-            if name == "per_layer":
-                model = tas.instrument(model)
-            optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())
-        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      jit_compile=True)
-        for _ in range(3):
-            model.train_on_batch(x, y)
-        models[name] = model
-    times = {name: [] for name in models}
-    order = list(models)
-    for _ in range(steps):
+        if mode.startswith("per_layer"):
+            model = tas.instrument(model)
+        steps[mode], states[mode], compiled[mode], found[mode] = compiled_step(
+            model, optimizer(), x, y)
+    times = {mode: [] for mode in MODES}
+    order = list(MODES)
+    for i in range(rounds + 3):  # three warm-up rounds
         random.shuffle(order)
-        for name in order:
+        for mode in order:
             began = time.perf_counter()
-            models[name].train_on_batch(x, y)  # returns host floats: synchronised
-            times[name].append(time.perf_counter() - began)
+            logs, states[mode] = steps[mode](states[mode], (x, y))
+            jax.block_until_ready(logs)
+            if i >= 3:
+                times[mode].append(time.perf_counter() - began)
     stock = np.median(times["stock"])
-    return {name: float(np.median(t) / stock) for name, t in times.items()}, stock
+    q1, q3 = np.percentile(times["stock"], [25, 75])
+    rows = []
+    for mode in MODES:
+        rows.append((mode, np.median(times[mode]) * 1e3, np.median(times[mode]) / stock,
+                     (q3 - q1) / stock, compiled[mode], compiled[mode] / compiled["stock"],
+                     found[mode]))
+    return rows
+
+
+def token_model(tokens_per_row=256, width=128, vocab=1024):
+    x = keras.Input((tokens_per_row,), dtype="int32")
+    h = layers.Embedding(vocab, width, name="token_embedding")(x)
+    for i in range(2):
+        a = layers.MultiHeadAttention(4, width // 4, name=f"attention_{i}")(h, h)
+        h = layers.LayerNormalization(name=f"norm_{i}a")(layers.Add()([h, a]))
+        f = layers.Dense(4 * width, activation="gelu", name=f"ffn_{i}_in")(h)
+        h = layers.LayerNormalization(name=f"norm_{i}b")(
+            layers.Add()([h, layers.Dense(width, name=f"ffn_{i}_out")(f)]))
+    h = layers.Dense(vocab, name="logits")(h)
+    return keras.Model(x, layers.Activation("linear", dtype="float32")(h))
+
+
+def token_mean_loss(y_true, y_pred):
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True))
+
+
+def variable_gradients(model, x, y, log2_scales):
+    """Per scale in `log2_scales`, each trainable variable's float64
+    gradient of the token-mean loss, the loss scaled by `2**log2_scale` and
+    the gradient divided by it."""
+    def loss(trainable, non_trainable, log2_scale):
+        pred, _ = model.stateless_call(trainable, non_trainable, x)
+        return token_mean_loss(y, pred) * 2.0**log2_scale
+
+    gradient = jax.jit(jax.grad(loss))
+    return [[np.asarray(g, np.float64) / 2.0**s
+             for g in gradient([v.value for v in model.trainable_variables],
+                               [v.value for v in model.non_trainable_variables],
+                               np.float32(s))]
+            for s in log2_scales]
+
+
+def precision_rows(tiny):
+    """Per tokens per batch: each variable's relative gradient error in
+    `mixed_float16` against float32 from the same weights, at loss scales
+    2^0, 2^8 and 2^16; the rows with the worst error at the best scale."""
+    rows = []
+    for rows_per_batch in ((2, 8) if tiny else (64, 256, 1024, 4096)):
+        tokens_per_row = 16 if tiny else 256
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 1024, (rows_per_batch, tokens_per_row)).astype("int32")
+        y = rng.integers(0, 1024, (rows_per_batch, tokens_per_row)).astype("int32")
+        keras.mixed_precision.set_global_policy("float32")
+        keras.utils.set_random_seed(0)
+        reference_model = token_model(tokens_per_row)
+        (reference,) = variable_gradients(reference_model, x, y, [0])
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        model = token_model(tokens_per_row)
+        model.set_weights(reference_model.get_weights())
+        errors = {}
+        for grads in variable_gradients(model, x, y, [0, 8, 16]):
+            for v, g, ref in zip(reference_model.trainable_variables, grads, reference):
+                path = v.path
+                error = (np.linalg.norm(g - ref) / max(np.linalg.norm(ref), 1e-30)
+                         if np.all(np.isfinite(g)) else float("inf"))
+                errors.setdefault(path, []).append(error)
+        worst = sorted(errors, key=lambda p: -min(errors[p]))[:3]
+        counts = np.bincount(x.ravel(), minlength=1024)
+        for path in worst:
+            rows.append((rows_per_batch * tokens_per_row, path, *errors[path], counts.max()))
+    return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU sizes")
+    parser.add_argument("--sections", default="steps,unet,precision")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)
     began = time.perf_counter()
     print(f"Devices: {jax.devices()}; jax {jax.__version__}, keras {keras.__version__}\n")
-    sizes = [(4, 32, 32), (4, 32, 64)] if args.tiny else [(16, 1024, 1024), (16, 1024, 2048)]
-    print("| pixels | method | scale | worst kernel error | kernel (0: input side) | skipped / 20 |")
-    print("|---|---|---|---|---|---|")
-    for images, height, width in sizes:
-        pixels = f"2^{int(np.log2(images * height * width))}"
-        for method, scale, error, where, skipped in unet_row(images, height, width):
-            print(f"| {pixels} | {method} | {scale} | {error:.2e} | {where} | {skipped} |",
-                  flush=True)
-    batch, size, steps = (2, 64, 5) if args.tiny else (128, 224, 20)
-    ratios, stock = step_ratios(batch, size, steps)
-    print(f"\nResNet50, batch {batch} of {size}x{size}, XLA, {steps} interleaved rounds "
-          f"(stock median {stock * 1e3:.1f} ms): adaptive/stock {ratios['adaptive']:.3f}, "
-          f"per-layer/stock {ratios['per_layer']:.3f}")
+    if "steps" in args.sections:
+        print("| family | mode | step ms | / stock | stock IQR / median | compile s | / stock "
+              "| conditionals |")
+        print("|---|---|---|---|---|---|---|---|")
+        for family in args.families.split(","):
+            for mode, ms, ratio, spread, seconds, compile_ratio, found in step_table(
+                    family, args.tiny, args.rounds):
+                print(f"| {family} | {mode} | {ms:.2f} | {ratio:.3f} | {spread:.3f} "
+                      f"| {seconds:.1f} | {compile_ratio:.2f} | {found} |", flush=True)
+            print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    if "unet" in args.sections:
+        sizes = [(4, 32, 32), (4, 32, 64)] if args.tiny else [(16, 1024, 1024), (16, 1024, 2048)]
+        print("\n| pixels | method | scale | worst kernel error | kernel (0: input side) "
+              "| skipped / 20 |")
+        print("|---|---|---|---|---|---|")
+        for images, height, width in sizes:
+            pixels = f"2^{int(np.log2(images * height * width))}"
+            for method, scale, error, where, skipped in unet_row(images, height, width):
+                print(f"| {pixels} | {method} | {scale} | {error:.2e} | {where} | {skipped} |",
+                      flush=True)
+        print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    if "precision" in args.sections:
+        print("\n| tokens | variable | error at 2^0 | 2^8 | 2^16 | most repeated token |")
+        print("|---|---|---|---|---|---|")
+        for tokens, path, *errors, repeats in precision_rows(args.tiny):
+            print(f"| 2^{int(np.log2(tokens))} | {path} | "
+                  + " | ".join(f"{e:.2e}" for e in errors) + f" | {repeats} |", flush=True)
     print(f"\nTotal {time.perf_counter() - began:.0f} s")
 
 
