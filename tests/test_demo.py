@@ -14,6 +14,8 @@ def test_quick_demo_prints_the_table_and_writes_the_report(tmp_path):
                    "| float16, tas per layer |"):
         assert method in out
     assert "Skipped steps: Keras's optimizer skipped" in out
+    # A healthy model: the diagnosis finds nothing, and says what it checked.
+    assert "The monitors flagged nothing. In the one-scale run every layer's window" in out
     # TensorFlow's start-up lines went to the log, not to the console.
     assert "I0000" not in out + proc.stderr
     assert "cuInit" not in out + proc.stderr

@@ -2,6 +2,7 @@
 checked against independently computed gradients."""
 
 import json
+import re
 import math
 import warnings
 
@@ -12,6 +13,8 @@ import tensorflow as tf
 
 import tf_adaptive_scale as tas
 from tf_adaptive_scale import monitor as monitor_lib
+from tf_adaptive_scale.float16 import NUM_BINS
+from tf_adaptive_scale.measurement import LayerStatistics
 from helpers import named_mlp, run_python
 
 
@@ -413,3 +416,66 @@ def test_finite_forward_pass_names_no_layer_and_bad_data_says_so(float16_policy)
     with pytest.warns(RuntimeWarning, match="the loss was not finite and the probe"):
         model.fit(xs, ys, batch_size=8, epochs=1, callbacks=[monitor], verbose=0)
     assert [(f["layer"], f["kind"]) for f in monitor.flags] == [("(all)", "loss_not_finite")]
+
+
+def two_heads(quiet_weight, loud_weight, instrument=False):
+    """A trunk and two heads whose loss weights set their gradients
+    `loud_weight / quiet_weight` apart; compiled, with its data."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((16,))
+    h = keras.layers.Dense(64, activation="relu", name="trunk")(x)
+    heads = {n: keras.layers.Activation("linear", dtype="float32", name=n)(
+        keras.layers.Dense(64, name=f"{n}_head")(h)) for n in ("quiet", "loud")}
+    model = keras.Model(x, heads)
+    if instrument:
+        model = tas.instrument(model)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-3), update_every=1),
+                  {"quiet": "mse", "loud": "mse"},
+                  loss_weights={"quiet": quiet_weight, "loud": loud_weight}, jit_compile=True)
+    rng = np.random.default_rng(0)
+    return model, rng.standard_normal((64, 16)).astype("float32"), {
+        n: rng.standard_normal((64, 64)).astype("float32") for n in ("quiet", "loud")}
+
+
+def fit_two_heads(instrument):
+    model, x, y = two_heads(2.0**-22, 2.0**8, instrument)
+    monitor = tas.ScaleMonitor(every_n_steps=2, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[monitor])
+    return monitor
+
+
+def test_no_single_scale_is_flagged_naming_both_layers_and_gone_once_instrumented(
+        float16_policy):
+    """Heads 2**30 apart: at the global scale the loud head's overflow caps,
+    the quiet head loses part of its gradient to zero. Per layer, each head
+    measures its whole gradient at its own scale: the window read there,
+    from an exact histogram, is the reference for the global run's estimate."""
+    monitor = fit_two_heads(instrument=False)
+    [flag] = [f for f in monitor.flags if f["kind"] == "no_single_scale"]
+    assert "'quiet_head' needs 2**" in flag["message"]
+    assert re.search(r"'loud_head'( and '\w+')? overflows? above 2\*\*", flag["message"])
+    assert "tas.instrument(model)" in flag["message"] and "no single scale" in monitor.summary()
+    estimated = monitor.records[-1]["layers"]
+    assert estimated["quiet_head"]["zeros"] > 0 and estimated["quiet_head"]["window"][2]
+
+    per_layer = fit_two_heads(instrument=True)
+    assert not [f for f in per_layer.flags if f["kind"] in ("no_single_scale", "beyond_float16")]
+    exact = per_layer.records[-1]["layers"]
+    assert exact["quiet_head"]["zeros"] == 0 and not exact["quiet_head"]["window"][2]
+    # The estimate errs low, within a binade of the exact window here.
+    assert 0 <= exact["quiet_head"]["window"][0] - estimated["quiet_head"]["window"][0] <= 1
+    assert exact["quiet_head"]["window"][0] > estimated["loud_head"]["window"][1]
+    assert abs(exact["loud_head"]["window"][1] - estimated["loud_head"]["window"][1]) <= 1
+
+
+def test_a_layer_beyond_float16_is_named(float16_policy):
+    """A layer whose own gradient values span more than float16's 40
+    binades at the tolerated underflow: no scale of its own fits it."""
+    histogram = np.zeros(NUM_BINS)
+    histogram[[0, 60, 127]] = 1.0  # exponents -88, -28 and 39
+    layer = LayerStatistics(0.0, 1.0, histogram, 0.0)
+    low, high, extrapolated = monitor_lib.scale_window(layer, 1e-3)
+    assert (low, high, extrapolated) == (-24 + 88, 14 - 39, False)
+    assert monitor_lib.scale_window(layer._replace(histogram=histogram * 0), 1e-3) is None

@@ -44,8 +44,8 @@ class Reading(NamedTuple):
         measured_step: `total_steps` of the last measured step (-1: none).
         gradient_norm: Global norm of the last measured unscaled gradients
             (of a large gradient, estimated from its sample).
-        layers: `{layer name: (log2 scale, gradient norm, histogram)}` of the
-            last measured step, each layer's variables taken together.
+        layers: `{layer name: LayerStatistics}` of the last measured step,
+            each layer's variables taken together.
     """
 
     loss_scale: float
@@ -85,6 +85,11 @@ class Measurement:
         self.variable_gradient_norms = add_state(
             "variable_gradient_norms", 0.0, shape=(num_variables,)
         )
+        # Exact zeros per variable: float16 cannot tell a value lost to
+        # underflow from a true zero (the monitor reads both).
+        self.variable_gradient_zeros = add_state(
+            "variable_gradient_zeros", 0.0, shape=(num_variables,)
+        )
         self.variable_gradient_histograms = add_state(
             "variable_gradient_histograms", 0.0,
             shape=(num_variables, float16.NUM_BINS),
@@ -109,21 +114,27 @@ class Measurement:
         )
         return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
 
-    def record(self, measured, unscaled, rows, step, packed=None):
-        """Where `measured`, records a finite step's unscaled gradients, per
-        variable (at `rows`) and in total; with several replicas or
-        micro-batches the total histogram, zeros and peak are their own,
-        combined (`packed`), the per-variable records those of the sum.
-
-        The statistics are taken on every step, from a sample of each
-        gradient (`gradient_statistics.SAMPLE`), and written where
-        `measured`: a conditional in the compiled step makes XLA give its
-        operands buffers and layouts of their own, and on a GPU waits on the
-        host for its predicate.
-        """
-        each = stats.grouped_statistics(
+    @staticmethod
+    def statistics(unscaled):
+        """Each unscaled gradient's statistics (`GroupStatistics`, a row per
+        gradient), taken on every step from a sample of each
+        (`gradient_statistics.SAMPLE`) but for the exact peak."""
+        return stats.grouped_statistics(
             unscaled, range(len(unscaled)), len(unscaled), sample=stats.SAMPLE
         )
+
+    def record(self, measured, each, rows, step, packed=None):
+        """Where `measured`, records a finite step's gradient statistics
+        (`statistics`), per variable (at `rows`) and in total; with several
+        replicas or micro-batches the total histogram, zeros and peak are
+        their own, combined (`packed`), the per-variable records those of
+        the sum.
+
+        Written by selects where `measured`, not in a conditional: a
+        conditional in the compiled step makes XLA give its operands buffers
+        and layouts of their own, and on a GPU waits on the host for its
+        predicate.
+        """
         histogram = ops.sum(each.histograms, axis=0)
         max_abs = ops.max(each.max_abs)
         zeros = ops.sum(each.zeros)
@@ -139,6 +150,8 @@ class Measurement:
               _placed(self.variable_gradient_histograms.value, rows, each.histograms))
         write(self.variable_gradient_norms,
               _placed(self.variable_gradient_norms.value, rows, norms))
+        write(self.variable_gradient_zeros,
+              _placed(self.variable_gradient_zeros.value, rows, each.zeros))
         write(self.gradient_histogram, histogram)
         write(self.gradient_zeros, zeros)
         write(self.gradient_max, max_abs)
@@ -179,7 +192,16 @@ def _placed(old, rows, new):
     return ops.take(ops.concatenate([ops.cast(new, old.dtype), old], axis=0), index, axis=0)
 
 
-def layers(scales, norms, histograms):
+class LayerStatistics(NamedTuple):
+    """One layer's measured gradients, its variables taken together."""
+
+    log2_scale: float  # the scale its gradients carried
+    norm: float
+    histogram: np.ndarray  # exponents of the nonzero finite unscaled values
+    zeros: float  # exact zeros (true ones, or values lost to underflow)
+
+
+def layers(scales, norms, histograms, zeros):
     """Per layer, its variables' statistics taken together.
 
     Args:
@@ -187,22 +209,21 @@ def layers(scales, norms, histograms):
             measured: an instrumented model's own statistics).
         norms: Per variable, its gradient norm.
         histograms: Per variable, its exponent histogram.
+        zeros: Per variable, its number of exact zeros.
 
     Returns:
-        `{layer name: (log2 scale, norm, histogram)}`.
+        `{layer name: LayerStatistics}`.
     """
-    squares, found = {}, {}
-    for scale, norm, histogram in zip(scales, norms, histograms):
+    found = {}
+    for scale, norm, histogram, zero in zip(scales, norms, histograms, zeros):
         if scale is None:
             continue
         name, log2_scale = scale
-        first_scale, total = found.get(name, (log2_scale, np.zeros(float16.NUM_BINS)))
-        found[name] = (first_scale, total + histogram)
-        squares[name] = squares.get(name, 0.0) + float(norm) ** 2
-    return {
-        name: (log2_scale, math.sqrt(squares[name]), histogram)
-        for name, (log2_scale, histogram) in found.items()
-    }
+        first = found.get(name, LayerStatistics(log2_scale, 0.0, 0.0, 0.0))
+        found[name] = first._replace(norm=first.norm + float(norm) ** 2,
+                                     histogram=first.histogram + histogram,
+                                     zeros=first.zeros + float(zero))
+    return {name: entry._replace(norm=math.sqrt(entry.norm)) for name, entry in found.items()}
 
 
 def read(measured, loss_scale, total_steps, skipped_steps, loss_finite, clipped_steps,
@@ -235,6 +256,7 @@ def read(measured, loss_scale, total_steps, skipped_steps, loss_finite, clipped_
         layers=layers(
             scales, measured.variable_gradient_norms.numpy(),
             measured.variable_gradient_histograms.numpy(),
+            measured.variable_gradient_zeros.numpy(),
         ),
     )
 

@@ -49,6 +49,49 @@ def float16_fractions(histogram, log2_scale):
     return float(under), float(over)
 
 
+def scale_window(layer, underflow_rate):
+    """The window of scale exponents a layer's gradients fit in float16.
+
+    Read from a measurement (`LayerStatistics`) taken at the layer's scale:
+    `high` from its highest occupied exponent bin (whose values may reach
+    twice the bin's lower edge), `low` from its histogram as the adaptive
+    rule reads it. Where more than `underflow_rate` of its values are zero
+    and its histogram runs into float16's lowest binade at its scale (the
+    values went on below and were lost), the histogram cannot say how far
+    they went: `low` is then estimated as for normally distributed values
+    of the layer's gradient norm (whose `underflow_rate` quantile is
+    `underflow_rate * sigma * sqrt(pi / 2)`), and is at least one above the
+    layer's scale. Gradients are heavier-tailed towards zero than normal
+    values, so the estimate errs low. Zeros with no such edge (dead units,
+    unused rows) are not underflow and are left out.
+
+    Args:
+        layer: A `LayerStatistics`.
+        underflow_rate: Largest tolerated fraction of underflowing values.
+
+    Returns:
+        A tuple `(low, high, extrapolated)`: `2**low` is the smallest
+        power-of-two scale at which at most `underflow_rate` of the values
+        underflow, `2**high` the largest at which none can overflow; or None
+        for a layer with no nonzero value.
+    """
+    histogram = np.asarray(layer.histogram, np.float64)
+    occupied = np.flatnonzero(histogram)
+    if occupied.size == 0:
+        return None
+    high = float(float16.OVERFLOW_EXPONENT - 2 - (occupied[-1] + stats.EXPONENT_MIN))
+    edge = float16.SUBNORMAL_EXPONENT - round(layer.log2_scale) - stats.EXPONENT_MIN
+    at_edge = histogram[edge] if 0 <= edge < histogram.size else 0.0
+    lost = layer.zeros - underflow_rate * (histogram.sum() + layer.zeros)
+    if lost > 0 and at_edge > underflow_rate * histogram.sum():
+        sigma = layer.norm / math.sqrt(histogram.sum() + layer.zeros)
+        quantile = underflow_rate * sigma * math.sqrt(math.pi / 2)
+        low = math.ceil(float16.SUBNORMAL_EXPONENT - math.log2(quantile))
+        return float(max(low, round(layer.log2_scale) + 1)), high, True
+    low, _ = stats.scale_bounds(histogram, 1.0, underflow_rate)
+    return float(low), high, False
+
+
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
 class ScaleMonitor(keras.callbacks.Callback):
     """Logs the loss scale and per-layer gradients, and warns of trouble.
@@ -76,7 +119,13 @@ class ScaleMonitor(keras.callbacks.Callback):
     `exploding_factor` above its recent history), layers whose gradient is
     always zero, persistent underflow (above `underflow_warning` for
     `patience` measurements) and runs of `skipped_run` skipped steps between
-    two reports. `flags` keeps them; training's end prints a summary. When
+    two reports. In float16 it also reads each layer's window of scales from
+    its histogram (the scales at which at most `window_underflow` of its
+    values underflow and none overflows; each record keeps it as `window`):
+    a layer whose window is empty spans more than float16 holds, which no
+    scale fixes; with one global scale, a layer whose window starts above
+    another's end means that no single scale fits the model, and the flag
+    names both and says that `tas.instrument(model)` gives each its own. `flags` keeps them; training's end prints a summary. When
     the optimizer has skipped `max_consecutive_skips` steps in a row, it
     stops `fit` cleanly (like `keras.callbacks.TerminateOnNaN`) and keeps the
     `SkippedStepsError` in `stop_error`. A report after a step whose loss
@@ -102,6 +151,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         exploding_factor: See above.
         underflow_warning: See above.
         skipped_run: See above.
+        window_underflow: The underflow tolerated in a layer's window (see
+            above); None: the optimizer's `underflow_rate`.
         probe: Optional batch of the model's inputs for the forward check
             (see above); not saved in `get_config`.
         verbose: 0 to print nothing at the end of training.
@@ -128,6 +179,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         exploding_factor=10.0,
         underflow_warning=0.05,
         skipped_run=5,
+        window_underflow=None,
         probe=None,
         verbose=1,
     ):
@@ -146,6 +198,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             "underflow_warning", underflow_warning
         )
         self.skipped_run = validation.positive_int("skipped_run", skipped_run)
+        self.window_underflow = None if window_underflow is None else (
+            validation.open_unit_interval("window_underflow", window_underflow))
         self.probe = probe
         self.verbose = verbose
         self._optimizer = _adaptive("`optimizer`", optimizer) if optimizer is not None else None
@@ -269,16 +323,21 @@ class ScaleMonitor(keras.callbacks.Callback):
             "exponent_min": stats.EXPONENT_MIN,
             "layers": {},
         }
-        for name, (log2_scale, norm, histogram) in reading.layers.items():
+        rate = self.window_underflow or opt.underflow_rate
+        for name, layer in reading.layers.items():
             entry = {
-                "grad_norm": norm,
-                "scale": 2.0**log2_scale,
-                "histogram": histogram.tolist(),
+                "grad_norm": layer.norm,
+                "scale": 2.0**layer.log2_scale,
+                "histogram": layer.histogram.tolist(),
+                "zeros": layer.zeros,
             }
             if reading.in_float16:
                 entry["underflow"], entry["overflow"] = float16_fractions(
-                    histogram, log2_scale
+                    layer.histogram, layer.log2_scale
                 )
+                window = scale_window(layer, rate)
+                if window is not None:
+                    entry["window"] = list(window)
             record["layers"][name] = entry
         self._check_progress(opt, record)
         new_measurement = reading.measurements > self._last["measurements"]
@@ -317,7 +376,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         if self.per_layer_logs:
             for name, entry in record["layers"].items():
                 for key, value in entry.items():
-                    if key != "histogram":
+                    if key not in ("histogram", "window"):  # scalars only
                         keys[f"layer/{name}/{key}"] = value
         return keys
 
@@ -361,6 +420,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             self._flag(record, *self._forward_check())
         if not new_measurement:
             return  # the same statistics as last time
+        self._diagnose_windows(record)
         layers = record["layers"]
         largest = max((e["grad_norm"] for e in layers.values()), default=0.0)
         for name, entry in layers.items():
@@ -395,6 +455,34 @@ class ScaleMonitor(keras.callbacks.Callback):
                 self._flag(record, name, "underflow",
                            f"{100 * underflow:.1f}% of its gradient values underflow "
                            f"float16 at its scale 2**{math.log2(entry['scale']):g}")
+
+    def _diagnose_windows(self, record):
+        """The layers that no scale fits, and, with one global scale, two
+        layers that no single scale fits together."""
+        rate = self.window_underflow or self.optimizer.underflow_rate
+        windows = {n: e["window"] for n, e in record["layers"].items() if "window" in e}
+        for name, (low, high, extrapolated) in windows.items():
+            if low > high and not extrapolated:
+                self._flag(record, name, "beyond_float16",
+                           f"its gradients span more than float16 holds: keeping "
+                           f"underflow under {rate:.2%} needs a scale of 2**{low:g} or more, "
+                           f"and its largest values overflow above 2**{high:g}; no loss "
+                           "scale fixes that: compute it in float32 or train in bfloat16")
+        policy = self.optimizer.policy
+        if not windows or policy is None or policy.per_layer:
+            return
+        needy = max(windows, key=lambda n: windows[n][0])
+        low, high = windows[needy][0], min(w[1] for w in windows.values())
+        tight = " and ".join(f"'{n}'" for n, w in windows.items() if w[1] == high)
+        if windows[needy][1] > high and low > high:
+            entry = record["layers"][needy]
+            zeros = entry["zeros"] / (entry["zeros"] + sum(entry["histogram"]))
+            self._flag(record, "(all)", "no_single_scale",
+                       f"no single scale fits: '{needy}' needs 2**{low:g} or more to keep "
+                       f"underflow under {rate:.2%} ({zeros:.1%} of its gradient values are "
+                       f"zero at 2**{math.log2(entry['scale']):g}), and {tight} "
+                       f"overflow{'s' if ' and ' not in tight else ''} above 2**{high:g}; "
+                       "tas.instrument(model) gives each layer its own scale")
 
     def _forward_check(self):
         """`(layer, kind, message)` on a step whose loss was not finite."""
@@ -453,6 +541,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             "exploding_factor": self.exploding_factor,
             "underflow_warning": self.underflow_warning,
             "skipped_run": self.skipped_run,
+            "window_underflow": self.window_underflow,
             "verbose": self.verbose,
         }
 

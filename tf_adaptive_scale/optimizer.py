@@ -348,27 +348,36 @@ class AdaptiveLossScaleOptimizer(
             return unscaled, applied, (acted, commit)
 
         unscaled, applied, clipping_record = transform(inputs.grads)
-        finite_each, finite = self._finite(applied, regular, loss_finite, steps)
+        # Each gradient's statistics, taken once: its peak pass also says
+        # whether it is finite and whether it holds any nonzero value.
+        each = measurement.Measurement.statistics([unscaled[i] for i in regular]) if regular \
+            else None
+        finite_each, finite = self._finite(applied, regular, loss_finite, steps, each)
         scheduled = ops.equal(state.steps_to_measure, 0)
         # Only variables overwritten with their gradients: nothing to measure.
         measure = ops.logical_and(scheduled, finite) if regular else _any([])
         applies = finite
         if not steps:  # a step whose gradients all underflowed is not applied as one
-            seen = _any([ops.any(ops.not_equal(sparse.values(unscaled[i]), 0)) for i in regular])
+            seen = ops.any(each.max_abs > 0) if regular else _any([])
             blind = self._policy.blind(state, measure, seen)
             applies = ops.logical_and(finite, ops.logical_not(blind))
         self._apply_or_skip(applies, applied, transform, apply_fn, clipping_record)
         if regular:
-            self._record(regular, rows, unscaled, finite, finite_each, measure, inputs.packed)
+            self._record(regular, rows, each, finite, finite_each, measure, inputs.packed)
         new = self._next_state(state, steps, unscaled, finite, loss_finite, measure, scheduled)
         # Reported at the scale the next steps use.
         self._measurement.report_underflow(measure, new.log2_scale)
         self._step_state.write(new, applies, loss_finite)
 
-    def _finite(self, applied, regular, loss_finite, steps):
+    def _finite(self, applied, regular, loss_finite, steps, each):
         """Per regular gradient, whether what reaches its weight is finite;
-        and whether the whole step is (its loss and backward pass too)."""
-        finite_each = [ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular]
+        and whether the whole step is (its loss and backward pass too).
+        Unclipped, what reaches a weight is the unscaled gradient, whose
+        statistics `each` already tell."""
+        if self._clippers:
+            finite_each = [ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular]
+        else:
+            finite_each = [ops.equal(each.non_finite[k], 0) for k in range(len(regular))]
         # Variables overwritten with their gradients (float8 scales) are
         # checked too, as the stock optimizer checks them.
         overwritten = [
@@ -399,12 +408,12 @@ class AdaptiveLossScaleOptimizer(
         # update; on GPU XLA waits on the host for every conditional).
         branching.select(applies, on_finite, on_non_finite)
 
-    def _record(self, regular, rows, unscaled, finite, finite_each, measure, packed):
+    def _record(self, regular, rows, each, finite, finite_each, measure, packed):
         """Flags non-finite gradients (on a skipped step) and, on a measured
-        one, records the statistics, per variable at its row."""
+        one, records the statistics `each`, per variable at its row."""
         self._step_state.note_non_finite(finite, finite_each, [[row] for row in rows])
-        self._measurement.record(measure, [unscaled[i] for i in regular], rows,
-                                 self._step_state.total_steps.value, *packed)
+        self._measurement.record(measure, each, rows, self._step_state.total_steps.value,
+                                 *packed)
 
     def _next_state(self, state, steps, unscaled, finite, loss_finite, measure, scheduled):
         """The policy's next state (per layer, each table writes its own)."""
