@@ -198,3 +198,26 @@ def test_a_cut_last_line_is_skipped_with_a_warning_naming_it(log_dir, tmp_path):
     path.write_text("\n".join([lines[0], lines[1][:40], *lines[2:]]) + "\n")
     with pytest.raises(ValueError, match=r"line 2: not a JSON record"):
         plot_report(str(log_dir), str(tmp_path / "out2"))
+
+
+def test_flags_are_marked_where_and_on_what_they_were_raised(tmp_path):
+    """A report's flags draw a labelled line at its step, and the flagged
+    layer's histogram panel names them."""
+    from matplotlib.figure import Figure
+
+    from tf_adaptive_scale import report
+
+    logged = list(records())
+    logged[3]["flags"] = [{"kind": "no_single_scale", "layer": "(all)"}]
+    logged[8]["flags"] = [{"kind": "vanishing", "layer": "head"}]
+    run = report._from_records(logged)
+    fig = Figure()
+    report._draw_loss_and_skips(fig, run)
+    ax = fig.axes[0]
+    lines = [line for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert sorted(line.get_xdata()[0] for line in lines) == [400, 900]
+    assert {t.get_text() for t in ax.texts} == {"no_single_scale: (all)", "vanishing: head"}
+    fig = Figure()
+    report._draw_histograms(fig, run)
+    titles = {ax.get_title() for ax in fig.axes}
+    assert "head\nflagged: vanishing" in titles and "dense" in titles

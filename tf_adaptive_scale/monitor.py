@@ -306,6 +306,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         """The report of the optimizer's state now, diagnosed."""
         opt = self.optimizer
         reading = opt.read()
+        flagged_before = len(self.flags)
         # Rates per optimizer step (with accumulation, per window).
         steps = max(reading.total_steps - self._last["total"], 1)
         record = {
@@ -343,6 +344,9 @@ class ScaleMonitor(keras.callbacks.Callback):
         new_measurement = reading.measurements > self._last["measurements"]
         self._note(reading)
         self._diagnose(record, new_measurement)
+        # What this report flagged, for the pictures' markers.
+        record["flags"] = [{"kind": f["kind"], "layer": f["layer"]}
+                           for f in self.flags[flagged_before:]]
         return record
 
     def _note(self, reading):

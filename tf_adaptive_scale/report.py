@@ -49,8 +49,10 @@ def plot_report(source, out_dir):
     global loss scale), `gradient_norms.png` (a heatmap of the layers' gradient
     norms over the reports), `histograms.png` (each layer's gradient exponents
     at the last report, shifted by its scale, against float16's range) and
-    `loss_and_skips.png` (the loss and the skipped steps). Each PNG stores its
-    title in its metadata, under "Title".
+    `loss_and_skips.png` (the loss and the skipped steps, and a dotted line
+    at each report that flagged something, labelled with what and where;
+    flagged layers' histograms have red titles naming the flags). Each PNG
+    stores its title in its metadata, under "Title".
 
     Args:
         source: The path of a JSON-lines monitor log, a directory holding
@@ -156,6 +158,7 @@ def _from_records(records):
                 shift = record["exponent_min"] + np.log2(layer["scale"])
                 histograms[name] = (np.arange(len(counts)) + shift, counts)
     skipped_at = sorted(s for r in records for s in r.get("skipped_at") or [])
+    flags = [(r["step"], f["kind"], f["layer"]) for r in records for f in r.get("flags", [])]
     return {
         "step_label": "step",
         "steps": np.array([r["step"] for r in records]),
@@ -168,6 +171,7 @@ def _from_records(records):
         "skipped_steps": _column([r.get("skipped_steps") for r in records]),
         "skipped_since_last": _column([r.get("skipped_since_last") for r in records]),
         "skipped_at": skipped_at,
+        "flags": flags,
         "layers": layers,
         "histograms": histograms,
     }
@@ -195,6 +199,7 @@ def _from_history(history):
         "skipped_steps": skipped,
         "skipped_since_last": np.diff(skipped, prepend=0.0),
         "skipped_at": [],
+        "flags": [],
         "layers": {
             name: {m: column(f"layer/{name}/{m}") for m in ("grad_norm", "scale")}
             for name in names
@@ -255,6 +260,9 @@ def _draw_histograms(fig, run):
     fig.set_size_inches(3.5 * ncols, 2.5 * nrows + 1)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     underflow, overflow = float16_zones()
+    flagged = {}
+    for _, kind, layer in run["flags"]:
+        flagged.setdefault(layer, []).append(kind)
     for ax, name in zip(axes, shown):
         exponents, counts = run["histograms"][name]
         occupied = exponents[counts > 0]
@@ -266,7 +274,11 @@ def _draw_histograms(fig, run):
         ax.axvspan(low, underflow, color="tab:red", alpha=0.15, label="float16 underflow")
         ax.axvspan(overflow, high, color="grey", alpha=0.3, label="float16 overflow")
         ax.set_xlim(low, high)
-        ax.set_title(name, fontsize="small")
+        if name in flagged:
+            ax.set_title(f"{name}\nflagged: {', '.join(flagged[name])}", fontsize="small",
+                         color="tab:red")
+        else:
+            ax.set_title(name, fontsize="small")
         ax.set_xlabel("log2 |scaled gradient|")
     for ax in axes[len(shown):]:
         ax.set_axis_off()
@@ -287,6 +299,10 @@ def _draw_loss_and_skips(fig, run):
             run["skipped_at"], 0, 1, transform=ax.get_xaxis_transform(),
             colors="red", alpha=0.6, label="skipped step",
         )
+    for step, kind, layer in run["flags"]:
+        ax.axvline(step, color="tab:orange", linestyle=":")
+        ax.annotate(f"{kind}: {layer}", (step, 0.98), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize="x-small", color="tab:orange")
     twin = ax.twinx()
     twin.plot(
         steps, run["skipped_steps"], color="grey", drawstyle="steps-post",
