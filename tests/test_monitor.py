@@ -479,3 +479,50 @@ def test_a_layer_beyond_float16_is_named(float16_policy):
     low, high, extrapolated = monitor_lib.scale_window(layer, 1e-3)
     assert (low, high, extrapolated) == (-24 + 88, 14 - 39, False)
     assert monitor_lib.scale_window(layer._replace(histogram=histogram * 0), 1e-3) is None
+
+
+def embedding_gradient_errors(dtype, tokens, log2_scales=(0, 8, 16)):
+    """The relative error, against float64, of an 8-row embedding table's
+    gradient over `tokens` tokens, at each loss scale."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 8, tokens).astype("int32")
+    upstream = rng.standard_normal((tokens, 16))
+    reference = np.zeros((8, 16))
+    np.add.at(reference, ids, upstream / tokens)
+    errors = []
+    for log2_scale in log2_scales:
+        table = keras.layers.Embedding(8, 16, dtype=dtype)
+        table.build((None,))
+        with tf.GradientTape() as tape:
+            out = tf.cast(table(ids), "float32")
+            loss = tf.reduce_sum(out * upstream.astype("float32")) / tokens * 2.0**log2_scale
+        grad = tf.convert_to_tensor(tape.gradient(loss, table.embeddings))
+        grad = np.asarray(grad, np.float64) / 2.0**log2_scale
+        errors.append(np.linalg.norm(grad - reference) / np.linalg.norm(reference))
+    return np.array(errors)
+
+
+def test_half_precision_weights_are_flagged_as_precision_limited(float16_policy):
+    """The check reads the weights' dtype; measured against float64 here:
+    a float16 table's gradient loses more as tokens grow, the same at every
+    scale, where float32 weights (the mixed policy's) lose float16's
+    rounding of the upstream gradient only."""
+    half = [embedding_gradient_errors("float16", n) for n in (2**10, 2**14)]
+    for errors in half:
+        assert errors.max() < 1.2 * errors.min()  # no scale helps
+    assert half[1].min() > 3 * half[0].max() and half[1].min() > 4e-3
+    assert embedding_gradient_errors("mixed_float16", 2**14)[1:].max() < 5e-4
+
+    x = keras.Input((32,), dtype="int32")
+    h = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(8, 16, dtype="float16", name="table")(x))
+    model = keras.Model(x, keras.layers.Dense(1, dtype="float32", name="head")(h))
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1e-2), update_every=1),
+                  "mse")
+    monitor = tas.ScaleMonitor(every_n_steps=2, verbose=0)
+    rng = np.random.default_rng(0)
+    with pytest.warns(RuntimeWarning, match="layer 'table': its weights are float16"):
+        model.fit(rng.integers(0, 8, (32, 32)).astype("int32"),
+                  rng.standard_normal((32, 1)).astype("float32"),
+                  batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
+    assert [(f["layer"], f["kind"]) for f in monitor.flags] == [("table", "precision_limited")]
