@@ -219,12 +219,15 @@ def test_bad_arguments_name_the_argument():
         tas.ScaleMonitor(every_n_steps=0)
     with pytest.raises(ValueError, match="vanishing_ratio"):
         tas.ScaleMonitor(vanishing_ratio=-1)
+    with pytest.raises(ValueError, match="window_underflow"):
+        tas.ScaleMonitor(window_underflow=1.5)
     with pytest.raises(ValueError, match="AdaptiveLossScaleOptimizer"):
         tas.ScaleMonitor(optimizer=keras.optimizers.SGD())  # at once, not at `log`
 
 
 def test_config_round_trips():
-    monitor = tas.ScaleMonitor(every_n_steps=7, log_dir="x", patience=2, exploding_zscore=4.0)
+    monitor = tas.ScaleMonitor(every_n_steps=7, log_dir="x", patience=2, exploding_zscore=4.0,
+                               window_underflow=0.01)
     clone = tas.ScaleMonitor.from_config(monitor.get_config())
     assert clone.get_config() == monitor.get_config()
 
