@@ -24,33 +24,37 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import step_cost  # noqa: E402
 
 
-def test_sample_estimates_counts_and_keeps_peaks_exact():
+@pytest.mark.parametrize("sample, share_error, norm_error", [
+    (stats.SAMPLE, 0.01, 0.2), (stats.VARIABLE_SAMPLE, 0.03, 0.4)])
+def test_sample_estimates_counts_and_keeps_peaks_exact(sample, share_error, norm_error):
     """A 1024-wide kernel whose every 256th column is dead (zero): a round
     stride would read only those columns; the prime one reads them all
-    alike. The peak is exact; one non-finite value anywhere is found."""
+    alike. The peak is exact; one non-finite value anywhere is found. Its
+    values spread over 25 binades, so the sum of squares, which its few
+    largest decide, is the estimate that misses most."""
     rng = np.random.default_rng(0)
     kernel = (rng.standard_normal((512, 1024)) * 2.0 ** rng.integers(-30, -5, (512, 1024)))
     kernel[:, ::256] = 0.0
     kernel = kernel.astype("float32")
     exact = stats.grouped_statistics([ops.array(kernel)], [0], 1)
-    sampled = stats.grouped_statistics([ops.array(kernel)], [0], 1, sample=stats.SAMPLE)
+    sampled = stats.grouped_statistics([ops.array(kernel)], [0], 1, sample=sample)
     assert float(sampled.max_abs[0]) == float(exact.max_abs[0]) > 0
     assert float(sampled.non_finite[0]) == float(exact.non_finite[0]) == 0
-    assert float(sampled.squares[0]) == pytest.approx(float(exact.squares[0]), rel=0.2)
+    assert float(sampled.squares[0]) == pytest.approx(float(exact.squares[0]), rel=norm_error)
     assert float(sampled.zeros[0]) == pytest.approx(float(exact.zeros[0]), rel=0.3)
     estimated, true = np.asarray(sampled.histograms[0]), np.asarray(exact.histograms[0])
     assert np.sum(estimated) == pytest.approx(np.sum(true), rel=0.01)
-    # Each binade's share within 1% of all values.
-    np.testing.assert_allclose(estimated / kernel.size, true / kernel.size, atol=0.01)
+    # Each binade's share within 1% (3% for the smaller sample) of all values.
+    np.testing.assert_allclose(estimated / kernel.size, true / kernel.size, atol=share_error)
 
     kernel[3, 5] = np.inf  # not in the sample
-    sampled = stats.grouped_statistics([ops.array(kernel)], [0], 1, sample=stats.SAMPLE)
+    sampled = stats.grouped_statistics([ops.array(kernel)], [0], 1, sample=sample)
     assert float(sampled.non_finite[0]) >= 1 and float(sampled.max_abs[0]) == 0
 
 
-def chosen_scales(family, scaling, sample, steps=2):
+def chosen_scales(family, scaling, sampled, steps=2):
     """After `steps` steps of a benchmark model, with the statistics sampled
-    or (`sample=None`) exact: log2 of the scale(s) chosen, and the lowest
+    (the optimizer's own samples) or (`sampled=False`) exact: log2 of the scale(s) chosen, and the lowest
     scale(s) keeping underflow within the rate (`scale_bounds`' low, which
     the sample's quantile decides), both `(units,)`."""
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -62,14 +66,15 @@ def chosen_scales(family, scaling, sample, steps=2):
         keras.optimizers.Adam(), scaling=scaling, update_every=1
     )
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    saved = stats.SAMPLE
-    stats.SAMPLE = sample
+    saved = stats.SAMPLE, stats.VARIABLE_SAMPLE
+    if not sampled:
+        stats.SAMPLE = stats.VARIABLE_SAMPLE = None
     gradient_scale._measured_rows.cache_clear()  # traced with the constant
     try:
         for step in range(steps):
             model.train_on_batch(*step_cost.batch_for(model, shape, step))
     finally:
-        stats.SAMPLE = saved
+        stats.SAMPLE, stats.VARIABLE_SAMPLE = saved
         gradient_scale._measured_rows.cache_clear()
     if scaling != "per_layer":
         return np.log2([float(optimizer.loss_scale)]), np.asarray(optimizer.scale_window)[:1]
@@ -83,8 +88,8 @@ def chosen_scales(family, scaling, sample, steps=2):
 @pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
 @pytest.mark.parametrize("family", ["mlp", "cnn", "unet", "transformer"])
 def test_sampled_scales_within_one_binade_of_exact(family, scaling):
-    sampled, sampled_low = chosen_scales(family, scaling, stats.SAMPLE)
-    exact, exact_low = chosen_scales(family, scaling, None)
+    sampled, sampled_low = chosen_scales(family, scaling, True)
+    exact, exact_low = chosen_scales(family, scaling, False)
     assert sampled.shape == exact.shape and sampled_low.shape == exact_low.shape
     assert np.max(np.abs(sampled - exact)) <= 1.0
     assert np.max(np.abs(sampled_low - exact_low)) <= 1.0

@@ -110,7 +110,7 @@ class Measurement:
         replica's gradients, before they are summed. Taken on every step
         (a conditional would cost more, see `record`)."""
         total = stats.grouped_statistics(
-            grads, [0] * len(grads), 1, log2_scale, sample=stats.SAMPLE
+            grads, [0] * len(grads), 1, log2_scale, sample=stats.VARIABLE_SAMPLE
         )
         return ops.concatenate([total.histograms[0], total.zeros, total.max_abs])
 
@@ -118,9 +118,9 @@ class Measurement:
     def statistics(unscaled):
         """Each unscaled gradient's statistics (`GroupStatistics`, a row per
         gradient), taken on every step from a sample of each
-        (`gradient_statistics.SAMPLE`) but for the exact peak."""
+        (`gradient_statistics.VARIABLE_SAMPLE`) but for the exact peak."""
         return stats.grouped_statistics(
-            unscaled, range(len(unscaled)), len(unscaled), sample=stats.SAMPLE
+            unscaled, range(len(unscaled)), len(unscaled), sample=stats.VARIABLE_SAMPLE
         )
 
     def record(self, measured, each, rows, step, packed=None):
