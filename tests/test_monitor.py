@@ -529,3 +529,22 @@ def test_half_precision_weights_are_flagged_as_precision_limited(float16_policy)
                   rng.standard_normal((32, 1)).astype("float32"),
                   batch_size=16, epochs=1, verbose=0, callbacks=[monitor])
     assert [(f["layer"], f["kind"]) for f in monitor.flags] == [("table", "precision_limited")]
+
+
+def test_the_forward_search_runs_once_per_run_of_non_finite_losses(float16_policy, monkeypatch):
+    """Every batch's labels are NaN: every report sees a non-finite loss,
+    and the probe's eager search runs at the first only."""
+    searched = []
+    search = monitor_lib.forward_check.first_non_finite_layer
+    monkeypatch.setattr(monitor_lib.forward_check, "first_non_finite_layer",
+                        lambda model, x: searched.append(1) or search(model, x))
+    model = named_mlp()
+    xs, ys = data()
+    monitor = tas.ScaleMonitor(every_n_steps=1, probe=xs[:4], verbose=0)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(),
+                                                 max_consecutive_skips=None), "mse")
+    with pytest.warns(RuntimeWarning, match="the loss was not finite and the probe"):
+        model.fit(xs, np.full_like(ys, np.nan), batch_size=8, epochs=1, callbacks=[monitor],
+                  verbose=0)
+    assert len(monitor.records) == 8 and not any(r["loss_finite"] for r in monitor.records)
+    assert len(searched) == 1

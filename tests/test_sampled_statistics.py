@@ -54,9 +54,10 @@ def test_sample_estimates_counts_and_keeps_peaks_exact(sample, share_error, norm
 
 def chosen_scales(family, scaling, sampled, steps=2):
     """After `steps` steps of a benchmark model, with the statistics sampled
-    (the optimizer's own samples) or (`sampled=False`) exact: log2 of the scale(s) chosen, and the lowest
-    scale(s) keeping underflow within the rate (`scale_bounds`' low, which
-    the sample's quantile decides), both `(units,)`."""
+    (the optimizer's own samples) or (`sampled=False`) exact: log2 of the
+    scale(s) chosen, and the lowest scale(s) keeping underflow within the
+    rate (`scale_bounds`' low, which the sample's quantile decides), both
+    `(units,)`."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     model, shape = step_cost.FAMILIES[family]()

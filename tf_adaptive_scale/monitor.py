@@ -135,7 +135,8 @@ class ScaleMonitor(keras.callbacks.Callback):
     `SkippedStepsError` in `stop_error`. A report after a step whose loss
     was not finite says where the forward pass stopped being finite: given
     a batch of inputs `probe`, it runs it through the model call by call
-    (`tas.first_non_finite_layer`, eagerly, once per report) and names the
+    (`tas.first_non_finite_layer`, eagerly, once per run of such reports)
+    and names the
     first layer whose output is not finite from finite inputs, which no
     loss scale fixes (custom loops: `monitor.set_model(model)`).
 
@@ -217,6 +218,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._flagged = set()
         self._writer = None
         self._last = dict(_NOTHING_REPORTED)
+        self._loss_was_finite = True
         self._steps_before_epoch = 0
         self._step = 0
 
@@ -242,6 +244,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             os.makedirs(self.log_dir, exist_ok=True)
         self._step = self._steps_before_epoch = 0
         self._last = dict(_NOTHING_REPORTED)
+        self._loss_was_finite = True
         if optimizer.built:  # a resumed run: its counts so far are not news
             self._note(optimizer.read())
 
@@ -424,8 +427,11 @@ class ScaleMonitor(keras.callbacks.Callback):
                        f"{record['skipped_since_last']} steps skipped since the last "
                        "report (non-finite gradients or loss)")
             self._flagged.discard(("(all)", "skipped"))  # every run is news
-        if not record["loss_finite"]:
+        # Searched once per run of reports with a non-finite loss, not at
+        # each (the probe's forward pass runs eagerly).
+        if not record["loss_finite"] and self._loss_was_finite:
             self._flag(record, *self._forward_check())
+        self._loss_was_finite = record["loss_finite"]
         if not new_measurement:
             return  # the same statistics as last time
         self._diagnose_windows(record)
