@@ -136,9 +136,9 @@ class ScaleMonitor(keras.callbacks.Callback):
     was not finite says where the forward pass stopped being finite: given
     a batch of inputs `probe`, it runs it through the model call by call
     (`tas.first_non_finite_layer`, eagerly, once per run of such reports)
-    and names the
-    first layer whose output is not finite from finite inputs, which no
-    loss scale fixes (custom loops: `monitor.set_model(model)`).
+    and names the first layer whose output is not finite from finite
+    inputs, which no loss scale fixes (custom loops:
+    `monitor.set_model(model)`).
 
     Args:
         every_n_steps: Steps between two reports.
