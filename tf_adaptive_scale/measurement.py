@@ -219,6 +219,7 @@ def layers(scales, norms, histograms, zeros):
         if scale is None:
             continue
         name, log2_scale = scale
+        # `norm` sums the squares until every variable is in.
         first = found.get(name, LayerStatistics(log2_scale, 0.0, 0.0, 0.0))
         found[name] = first._replace(norm=first.norm + float(norm) ** 2,
                                      histogram=first.histogram + histogram,

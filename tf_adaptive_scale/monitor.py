@@ -331,7 +331,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             "exponent_min": stats.EXPONENT_MIN,
             "layers": {},
         }
-        rate = self.window_underflow or opt.underflow_rate
+        rate = self._window_rate()
         for name, layer in reading.layers.items():
             entry = {
                 "grad_norm": layer.norm,
@@ -471,10 +471,14 @@ class ScaleMonitor(keras.callbacks.Callback):
                            f"{100 * underflow:.1f}% of its gradient values underflow "
                            f"float16 at its scale 2**{math.log2(entry['scale']):g}")
 
+    def _window_rate(self):
+        """The underflow a layer's window tolerates."""
+        return self.window_underflow or self.optimizer.underflow_rate
+
     def _diagnose_windows(self, record):
         """The layers that no scale fits, and, with one global scale, two
         layers that no single scale fits together."""
-        rate = self.window_underflow or self.optimizer.underflow_rate
+        rate = self._window_rate()
         windows = {n: e["window"] for n, e in record["layers"].items() if "window" in e}
         for name, (low, high, extrapolated) in windows.items():
             if low > high and not extrapolated:
