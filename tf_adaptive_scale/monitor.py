@@ -135,10 +135,11 @@ class ScaleMonitor(keras.callbacks.Callback):
     `SkippedStepsError` in `stop_error`. A report after a step whose loss
     was not finite says where the forward pass stopped being finite: given
     a batch of inputs `probe`, it runs it through the model call by call
-    (`tas.first_non_finite_layer`, eagerly, once per run of such reports)
-    and names the first layer whose output is not finite from finite
-    inputs, which no loss scale fixes (custom loops:
-    `monitor.set_model(model)`).
+    (`tas.first_non_finite_layer`, eagerly, once per run of such reports),
+    in training mode as the step ran it (dropout, batch statistics; up to 3
+    runs with new dropout draws, no state changed), and names the first
+    layer whose output is not finite from finite inputs, which no loss
+    scale fixes (custom loops: `monitor.set_model(model)`).
 
     Args:
         every_n_steps: Steps between two reports.
@@ -532,7 +533,8 @@ class ScaleMonitor(keras.callbacks.Callback):
                 "was not finite; no loss scale fixes that: compute this layer in "
                 "float32 (`dtype='float32'`) or train in bfloat16 ('mixed_bfloat16')"
             )
-        why = ("and the probe's forward pass is finite: bad data?" if self.probe is not None
+        why = ("and the probe's forward pass, in training mode, is finite: bad data?"
+               if self.probe is not None
                else "(bad data, or a forward pass that overflows float16: "
                     "ScaleMonitor(probe=x_batch) names the layer)")
         return "(all)", "loss_not_finite", f"the loss was not finite {why}"
