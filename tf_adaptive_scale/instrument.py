@@ -26,7 +26,10 @@ def instrument(model, initial_scale=1.0):
     layers become units), except where a call passes them more than their
     inputs, mask and `training=False`, or where their layer names would clash
     with others (two sub-models from one factory with a named layer): such a
-    model is one unit. Operations sharing a variable share a unit. Model
+    model is one unit. Operations sharing a variable share a unit, as do
+    an operation and the variables its call reads (`Lambda` closures
+    included: a trace of each call finds them); a variable that no
+    operation holds or is called on, read in a call, is refused. Model
     outputs are cast to float32 by their boundaries, so the loss gradient
     is scaled before any float16 rounding; gradients enter at the
     outputs and leave at the inputs at scale 1, so an instrumented model can
@@ -59,7 +62,7 @@ def instrument(model, initial_scale=1.0):
     # A Sequential model's `input` is undefined until it is called.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
     input_names = [x.name for x in keras.tree.flatten(structure)]
-    inlined, groups = _plan(model, input_names)
+    inlined, groups = _plan(model, structure, input_names)
     inputs = keras.tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
         structure,
@@ -410,7 +413,7 @@ def _inlinable_call(args, kwargs):
     )
 
 
-def _plan(model, input_names):
+def _plan(model, structure, input_names):
     """Which nested models to inline, and the operations of each unit.
 
     Nested Sequential/Functional models are inlined (their operations become
@@ -419,7 +422,13 @@ def _plan(model, input_names):
     graph (two sub-models from one factory with an explicitly named layer):
     then the innermost model holding a clashing name stays whole, one unit.
     Operations sharing a variable share a unit, so that its gradient is
-    summed at one scale.
+    summed at one scale; so does an operation reading a variable another
+    holds (in a `Lambda`'s closure, say).
+
+    Args:
+        model: The model.
+        structure: Its inputs.
+        input_names: Their names.
 
     Returns:
         `(inlined, groups)`: ids of the inlined models, and the units as
@@ -431,7 +440,8 @@ def _plan(model, input_names):
     arguments = {}
     for graph in graphs:
         arguments.update(_argument_variables(_calls(graph)))
-    return inlined, _group_by_variables(ops, arguments)
+    reads = _read_variables(model, structure, inlined)
+    return inlined, _group_by_variables(ops, arguments, reads)
 
 
 def _nested_graphs(model):
@@ -525,15 +535,46 @@ def _argument_variables(calls):
     return found
 
 
+def _read_variables(model, structure, inlined):
+    """`{id(operation): [variables]}`: the float variables each unit
+    operation's call reads (its weights, those it is called on, and any
+    other: a `Lambda`'s closure can read any), from a trace of the graph on
+    `structure` that changes no variable."""
+    reads = {}
+
+    def call(op, *args, **kwargs):
+        if id(op) in inlined:
+            return keras_internals.run_graph(op, args[0], call)
+        try:
+            outputs, variables = keras_internals.traced_reads(op, *args, **kwargs)
+        except Exception as error:
+            raise ValueError(
+                f"Cannot instrument {_describe(op)}: tracing its call, to "
+                "find the variables it reads, failed with "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        reads.setdefault(id(op), []).extend(v for v in variables if _is_float(v))
+        return outputs
+
+    keras_internals.run_graph(model, structure, call)
+    return reads
+
+
 def _variables_of(op, arguments):
     """The weights `op` holds and the variables it is called on."""
     return list(getattr(op, "weights", [])) + arguments.get(id(op), [])
 
 
-def _group_by_variables(ops, arguments):
+def _group_by_variables(ops, arguments, reads):
     """Units of operations: those sharing a variable are one unit (a weight
-    an operation is called on included: its gradient through that call must
-    be summed with the rest at one scale)."""
+    an operation is called on or reads included: its gradient through that
+    call must be summed with the rest at one scale).
+
+    Raises:
+        ValueError: An operation reads a float variable that no operation
+            holds or is called on: no unit would know the scale of its
+            gradient through that read.
+    """
     root = list(range(len(ops)))
 
     def find(i):
@@ -542,13 +583,29 @@ def _group_by_variables(ops, arguments):
             i = root[i]
         return i
 
+    def join(i, j):
+        a, b = find(i), find(j)
+        if a != b:
+            root[max(a, b)] = min(a, b)
+
     owner = {}
     for i, op in enumerate(ops):
         for variable in _variables_of(op, arguments):
-            j = owner.setdefault(id(variable), i)
-            a, b = find(i), find(j)
-            if a != b:
-                root[max(a, b)] = min(a, b)
+            join(i, owner.setdefault(id(variable), i))
+    for i, op in enumerate(ops):
+        for variable in reads.get(id(op), []):
+            if id(variable) not in owner:
+                raise ValueError(
+                    f"Cannot instrument {_describe(op)}: its call reads the "
+                    f"weight '{variable.path}', which no layer of the model "
+                    "holds and no operation of its graph is called on: no "
+                    "unit would divide its gradient through that read by the "
+                    "scale it carries. Make it a weight of this layer (a "
+                    "custom layer instead of a Lambda) or of another layer "
+                    "of the model, or pass it to a keras.ops call in the "
+                    "model's graph (keras.ops.matmul(h, variable))."
+                )
+            join(i, owner[id(variable)])
     groups = {}
     for i, op in enumerate(ops):
         groups.setdefault(find(i), []).append(op)

@@ -78,6 +78,45 @@ def run_graph(model, inputs, call):
     return model._run_through_graph(inputs, operation_fn=lambda op: op, call_fn=call)
 
 
+def traced_reads(operation, *args, **kwargs):
+    """`(outputs, variables)`: `operation` called on the symbolic `args` and
+    `kwargs`, and the variables that call read, in order.
+
+    Keras has no public record of the variables a call reads (a `Lambda`
+    can read any in its closure). Traced by `compute_output_spec` (private),
+    which touches no variable on either backend; a variable's `value` asks
+    the innermost `StatelessScope` for its value, so a scope entered inside
+    the trace hears every read.
+    """
+    from keras.src.backend import compute_output_spec
+
+    read = {}
+
+    class Recorder(keras.StatelessScope):
+        def get_current_value(self, variable):
+            read[id(variable)] = variable
+            return super().get_current_value(variable)
+
+    def is_symbolic(x):
+        return isinstance(x, keras.KerasTensor)
+
+    structure = (args, kwargs)
+    symbolic = [x for x in keras.tree.flatten(structure) if is_symbolic(x)]
+
+    # Only the symbolic tensors go through the trace's arguments: JAX's
+    # refuses variables (`ops.einsum(h, embedding.embeddings)`).
+    def call(*traced):
+        traced = iter(traced)
+        args, kwargs = keras.tree.map_structure(
+            lambda x: next(traced) if is_symbolic(x) else x, structure
+        )
+        with Recorder():
+            return operation(*args, **kwargs)
+
+    outputs = compute_output_spec(call, *symbolic)
+    return outputs, list(read.values())
+
+
 def mask_of(tensor):
     """The mask Keras attached to a symbolic tensor (`mask_zero`, `Masking`),
     or None.
