@@ -470,10 +470,12 @@ def test_get_unscaled_gradients_keeps_indexed_slices(scaling):
 
 
 @pytest.mark.skipif(not TF, reason="tf-keras API with tf.GradientTape: TensorFlow only")
-def test_legacy_loop_matches_stock_loop():
+@pytest.mark.parametrize("eager", [False, True], ids=["traced", "eager"])
+def test_legacy_loop_matches_stock_loop(eager):
     """tf-keras's loop (`get_scaled_loss`, `get_unscaled_gradients`,
     `apply_gradients`) with ours equals Keras 3's with stock (`scale_loss`,
-    `apply` of the scaled gradients), embedding gradients sparse."""
+    `apply` of the scaled gradients), embedding gradients sparse, in a
+    `tf.function` and eagerly."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = embedding_data()
     stock, ours = stock_and_ours(keras.optimizers.Adam(0.05), dynamic_growth_steps=2)
@@ -500,6 +502,8 @@ def test_legacy_loop_matches_stock_loop():
         assert isinstance(grads[0], tf.IndexedSlices)
         ours.apply_gradients(zip(grads, our_model.trainable_variables))
 
+    if eager:
+        stock_step, legacy_step = stock_step.python_function, legacy_step.python_function
     for start in range(0, 16, 4):
         stock_step(x[start : start + 4], y[start : start + 4])
         legacy_step(x[start : start + 4], y[start : start + 4])

@@ -28,8 +28,6 @@ if TENSORFLOW:
     from tf_adaptive_scale.distribution import run_step
     from tf_adaptive_scale.tensorflow_graph import assign_now
     from tf_adaptive_scale.tensorflow_graph import computes_in_float16
-    from tf_adaptive_scale.tensorflow_graph import mark_unscaled
-    from tf_adaptive_scale.tensorflow_graph import unscaled_marks
     from tf_adaptive_scale.tensorflow_graph import variables_made_now
 
     def has_strategy():
@@ -66,17 +64,6 @@ else:
         """Whether any gradient is float16 (JAX traces keep no graph to read)."""
         return any(keras.backend.standardize_dtype(g.dtype) == "float16" for g in grads)
 
-    def mark_unscaled(tensors):
-        raise ValueError(
-            "get_unscaled_gradients() is a legacy tf-keras API, TensorFlow "
-            f"only (backend: {keras.backend.backend()!r}): pass the gradients "
-            "of the scaled loss to apply() or stateless_apply() as they are."
-        )
-
-    def unscaled_marks(tensors):
-        """No gradient is marked off TensorFlow (`mark_unscaled` refuses)."""
-        return [False] * len(tensors)
-
     def has_strategy():
         """No `tf.distribute` off TensorFlow."""
         return False
@@ -89,15 +76,3 @@ else:
         """No AutoGraph off TensorFlow."""
         return fn
 
-
-def already_unscaled(grads):
-    """Whether `grads` (dense values) came from `get_unscaled_gradients`:
-    all or none may."""
-    marks = unscaled_marks(grads)
-    if any(marks) and not all(marks):
-        raise ValueError(
-            "Some gradients passed to apply() come from "
-            "get_unscaled_gradients() and some do not: pass all the "
-            "gradients of a step through it, or none."
-        )
-    return all(marks)

@@ -199,3 +199,14 @@ def stateless_scope():
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     return get_stateless_scope()
+
+
+def keras_mask(tensor):
+    """The Keras mask a layer attached to `tensor` (None if none).
+
+    Keras's losses read it to leave masked entries out of their mean;
+    `keras.src.backend.get_keras_mask` has no public export.
+    """
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)

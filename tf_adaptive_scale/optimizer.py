@@ -82,10 +82,14 @@ class AdaptiveLossScaleOptimizer(
         # Made before `build`, for `scale_loss`'s first trace: the scale, the
         # non-finite losses since the last step (summed over replicas: bad
         # data, not an overflow), the scale the loss was multiplied by (0:
-        # none; the mode may be resolved between `scale_loss` and `apply`).
+        # none; the mode may be resolved between `scale_loss` and `apply`),
+        # and whether the caller unscaled this step's gradients already
+        # (`get_unscaled_gradients`): the step protocol, in variables so
+        # that eager and traced calls, in one function or several, agree.
         self.dynamic_scale = self._add_state("dynamic_scale", self.initial_scale)
         self.non_finite_losses = self._add_state("non_finite_losses", 0.0, aggregation="sum")
         self.loss_scale_used = self._add_state("loss_scale_used", 0.0)
+        self.gradients_unscaled = self._add_state("gradients_unscaled", False, dtype="bool")
         if scaling is not None:
             self.resolve_scaling(scaling)
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
@@ -159,9 +163,10 @@ class AdaptiveLossScaleOptimizer(
     @backends.not_converted
     def scale_loss(self, loss):
         """Multiplies `loss` (a tensor or a number) by the current scale, in
-        its float dtype (float32 for a number), noting for the next `apply`
-        the scale and whether the loss is finite (a non-finite one is
-        skipped without backing off; a later call replaces the note)."""
+        its float dtype (float32 for a number), and begins a step: the next
+        `apply` divides its gradients by this scale and skips the step if
+        this loss is not finite (without backing off). A later call begins
+        the step anew (docs/custom_loops.md, "The step protocol")."""
         loss = _float_tensor(loss)
         self.observe_loss(loss)
         scale = self.dynamic_scale.value
@@ -170,15 +175,17 @@ class AdaptiveLossScaleOptimizer(
 
     @backends.not_converted
     def observe_loss(self, loss):
-        """Notes whether `loss` is finite for the next `apply` (what
-        `scale_loss` does besides scaling, for losses scaled elsewhere)."""
+        """Begins a step for a loss scaled elsewhere (by `loss_scale`): what
+        `scale_loss` does besides scaling, noting whether `loss` is finite."""
         # Summed over replicas: a non-finite loss on any one is noted.
         finite = ops.all(ops.isfinite(_float_tensor(loss)))
         self.non_finite_losses.assign(ops.cast(ops.logical_not(finite), "float32"))
+        self.gradients_unscaled.assign(False)
 
     @backends.not_converted
     def apply(self, grads, trainable_variables=None):
-        """Checks, unscales, clips and applies `grads` (of the scaled loss;
+        """Checks, unscales, clips and applies `grads` (of the scaled loss,
+        or unscaled by `get_unscaled_gradients` since the last `scale_loss`;
         None entries ignored) to `trainable_variables` (optional once built),
         or skips the step."""
         if trainable_variables is None:
@@ -195,13 +202,12 @@ class AdaptiveLossScaleOptimizer(
         grads, variables = (list(x) for x in zip(*pairs))
         if self._policy is None:
             self.resolve_scaling(self._default_scaling(grads, tables))
-        unscaled = backends.already_unscaled([sparse.values(g) for g in grads])
         backends.run_step(
-            lambda g, apply_fn: self._step(g, variables, apply_fn, unscaled, tables),
+            lambda g, apply_fn: self._step(g, variables, apply_fn, tables),
             self.inner_optimizer, grads, variables,
             statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
             replica_statistics=None if tables else (
-                lambda: self._packed_measurement(grads, variables, unscaled)),
+                lambda: self._packed_measurement(grads, variables)),
         )
 
     def _check_known(self, variables, all_of_them=False):
@@ -224,9 +230,9 @@ class AdaptiveLossScaleOptimizer(
                     "optimizer for another model or set of variables."
                 )
 
-    def _packed_measurement(self, grads, variables, already_unscaled):
+    def _packed_measurement(self, grads, variables):
         """This replica's (or micro-batch's) own packed measurement."""
-        log2_scale = 0.0 if already_unscaled else ops.round(ops.log2(self.dynamic_scale.value))
+        log2_scale = self._log2_gradient_scale(ops.round(ops.log2(self.dynamic_scale.value)))
         return measurement.Measurement.packed(
             [grads[i] for i in self._regular(variables)], log2_scale,
         ), stats.combine_measurements
@@ -240,26 +246,26 @@ class AdaptiveLossScaleOptimizer(
             or keras.config.dtype_policy().compute_dtype == "float16",
         )
 
-    def _step(self, grads, variables, apply_fn, already_unscaled, tables):
+    def _step(self, grads, variables, apply_fn, tables):
         """One step on the (replica-summed) gradients, or one micro-batch."""
         n, t = len(variables), len(tables)
         step = self._decide if self.accumulation_steps == 1 else self._add_to_window
         step(
-            _Inputs(grads[:n], grads[n : n + t], grads[n + t :], variables,
-                    already_unscaled, tables),
+            _Inputs(grads[:n], grads[n : n + t], grads[n + t :], variables, False, tables),
             apply_fn,
             ops.equal(self.non_finite_losses.value, 0.0),
         )
-        # This step's notes on its loss are used up (see `scale_loss`).
+        # This step's notes are used up (see `scale_loss`).
         self.non_finite_losses.assign(0.0)
         self.loss_scale_used.assign(0.0)
+        self.gradients_unscaled.assign(False)
 
     def _add_to_window(self, inputs, apply_fn, loss_finite):
         """Adds one micro-batch to the window (its unscaled gradients and
         statistics); the window's last micro-batch decides for all."""
         regular = self._regular(inputs.variables)
         steps = self._table_steps(inputs, regular)
-        unscaled = inputs.grads if inputs.already_unscaled else stats.unscale(
+        unscaled = stats.unscale(
             inputs.grads, self._log2_divisors(self._step_state.scale_state(), steps, regular)
         )
         if inputs.tables:  # per layer, the tables carry the statistics
@@ -267,9 +273,7 @@ class AdaptiveLossScaleOptimizer(
         elif inputs.packed:  # each replica's, combined
             (packed,) = inputs.packed
         else:
-            packed, _ = self._packed_measurement(
-                inputs.grads, inputs.variables, inputs.already_unscaled
-            )
+            packed, _ = self._packed_measurement(inputs.grads, inputs.variables)
         index = functools.partial(keras_internals.variable_index, self)
         rows = {i: index(inputs.variables[i]) for i in regular}
         statistics = [index(t.statistics) for _, t in inputs.tables]
@@ -308,17 +312,27 @@ class AdaptiveLossScaleOptimizer(
             regular, rule, self._policy,
         )
 
-    def _log2_divisors(self, state, steps, regular):
-        """Every gradient is divided by the scale `scale_loss` applied and, in
-        an instrumented model, by its layer's; in float32 (a float16 scale of
-        2**16 would be inf)."""
-        # The scale `scale_loss` used, else the current one (a loss scaled
-        # by `loss_scale` directly): they differ only on the step that
-        # resolves `scaling=None`.
+    def _log2_loss_scale(self, log2_current):
+        """The scale `scale_loss` used this step, else the current one (a
+        loss scaled by `loss_scale` directly): they differ only on the step
+        that resolves `scaling=None`."""
         used = self.loss_scale_used.value
-        log2_loss_scale = ops.where(
-            used > 0, ops.round(ops.log2(ops.maximum(used, 2.0**-126))), state.log2_scale,
+        return ops.where(
+            used > 0, ops.round(ops.log2(ops.maximum(used, 2.0**-126))), log2_current,
         )
+
+    def _log2_gradient_scale(self, log2_current):
+        """The scale the gradients `apply` receives carry: the loss's, or 1
+        where `get_unscaled_gradients` divided them already."""
+        return ops.where(
+            self.gradients_unscaled.value, 0.0, self._log2_loss_scale(log2_current)
+        )
+
+    def _log2_divisors(self, state, steps, regular):
+        """Every gradient is divided by the scale it carries and, in an
+        instrumented model, by its layer's; in float32 (a float16 scale of
+        2**16 would be inf)."""
+        log2_loss_scale = self._log2_gradient_scale(state.log2_scale)
         log2_divisors = {i: log2_loss_scale for i in regular}
         for step in steps:
             for i, log2_unit in step.log2_divisors().items():
@@ -470,7 +484,8 @@ class AdaptiveLossScaleOptimizer(
 
 class _Inputs(typing.NamedTuple):
     """What `apply` hands the step: the gradients, the tables' statistics,
-    the packed replica measurement (under a strategy), and their owners."""
+    the packed replica measurement (under a strategy), their owners, and
+    whether the gradients are unscaled (a window's mean is)."""
 
     grads: list
     table_grads: list

@@ -1,29 +1,20 @@
 """What the optimizer reads off TensorFlow graphs while a step is traced.
 
 TensorFlow-specific by nature: Keras has no backend-neutral view of how a
-tensor was computed. Two questions are answered here:
-
-- Did the model compute in float16? A float32 weight used by a float16
-  layer has a gradient made by a `Cast` from float16 (autocasting), which
-  the optimizer's default mode keys on.
-- Were these gradients unscaled already, by the legacy tf-keras
-  `get_unscaled_gradients`? Its outputs pass through an identity op named
-  `UNSCALED_OP_NAME`, so the mark lives in the graph itself and is seen by
-  whatever is derived from them (clipping, say) and by nothing else: no other
-  trace, no later step. Eagerly, the returned tensors themselves are
-  remembered (weakly); tensors derived from them eagerly are not recognised.
+tensor was computed. One question is answered here: did the model compute
+in float16? A float32 weight used by a float16 layer has a gradient made by
+a `Cast` from float16 (autocasting), which the optimizer's default mode
+keys on. (Whether gradients are unscaled already is the step's state, not
+read off the graph: see `AdaptiveLossScaleOptimizer.get_unscaled_gradients`.)
 """
 
 import contextlib
-import weakref
 
 import tensorflow as tf
 
-UNSCALED_OP_NAME = "tas_unscaled_gradient"
 # Ops a gradient passes through between a float16 computation and the
 # optimizer (sums of shared weights' gradients, identities, slices).
 _PASS_THROUGH = {"AddN", "AddV2", "Identity", "IdentityN", "Reshape"}
-_eager_unscaled = weakref.WeakValueDictionary()
 
 
 def computes_in_float16(grads):
@@ -49,60 +40,6 @@ def _from_float16(tensor, depth):
     if op.type in _PASS_THROUGH:
         return any(_from_float16(t, depth - 1) for t in op.inputs)
     return False
-
-
-def mark_unscaled(tensors):
-    """Marks tensors as unscaled gradients; returns the marked tensors."""
-    marked = [
-        None if t is None else tf.identity(t, name=UNSCALED_OP_NAME)
-        for t in tensors
-    ]
-    if tf.executing_eagerly():
-        for t in marked:
-            if t is not None:
-                _eager_unscaled[id(t)] = t
-    return marked
-
-
-def unscaled_marks(tensors):
-    """For each tensor, whether it is (derived from) a marked one.
-
-    Args:
-        tensors: Dense tensors.
-
-    Returns:
-        A list of Python bools.
-    """
-    if tf.executing_eagerly():
-        return [_eager_unscaled.get(id(t)) is t for t in tensors]
-    # Tensors captured from outside the trace have no graph: never marked.
-    graph = next((t.graph for t in tensors if hasattr(t, "graph")), None)
-    if graph is None or not any(
-        op.type == "Identity" and op.name.split("/")[-1].startswith(UNSCALED_OP_NAME)
-        for op in graph.get_operations()
-    ):
-        return [False] * len(tensors)
-    verdicts = {}
-    return [hasattr(t, "graph") and _derived(t.op, verdicts) for t in tensors]
-
-
-def _derived(op, verdicts):
-    """Whether a marked identity is `op` or one of its ancestors."""
-    stack = [(op, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if node in verdicts:
-            continue
-        if node.name.split("/")[-1].startswith(UNSCALED_OP_NAME):
-            verdicts[node] = True
-            continue
-        parents = [t.op for t in node.inputs]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((p, False) for p in parents if p not in verdicts)
-        else:
-            verdicts[node] = any(verdicts.get(p, False) for p in parents)
-    return verdicts[op]
 
 
 def assign_now(variable, value):

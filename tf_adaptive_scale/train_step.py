@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_adaptive_scale import gradient_window
+from tf_adaptive_scale import loss_normaliser
 from tf_adaptive_scale import validation
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
@@ -28,11 +29,15 @@ def make_train_step(
     (the batch split along its first axis, into sizes that differ by at most
     one) one after the other, holding one micro-batch's activations at a
     time. Their gradients are summed in float32 at the window's scale (per
-    layer in per-layer mode), each weighted by its share of the samples, then
-    checked, applied or skipped, and the scale updated, once: an overflow in
-    any micro-batch skips the window. The result equals one step on the whole
-    batch (for a loss that averages over the samples, as Keras's default
-    `"sum_over_batch_size"` does). An empty batch (a dataset's last, say) is
+    layer in per-layer mode), each weighted by its share of the loss's
+    normaliser (`loss_normaliser`: the valid entries under a Keras mask, the
+    sample weights for `"mean_with_sample_weight"`, the samples otherwise;
+    a `"sum"` adds up), then checked, applied or skipped, and the scale
+    updated, once: an overflow in any micro-batch skips the window. The
+    result equals one step on the whole batch, for any Keras reduction; under
+    a strategy the normaliser is the global batch's. Several outputs of which
+    one's normaliser depends on the data (a mask) are refused with
+    `accumulation_steps > 1`, where no single weight is exact. An empty batch (a dataset's last, say) is
     skipped: no weight or optimizer slot changes; `skipped_steps` counts it.
     As in `model.fit`, AutoGraph is off: branch on tensors with `ops.cond`.
 
@@ -169,12 +174,20 @@ class _TrainStep:
 
     def _replica_step(self, x, y, sample_weight):
         variables = self.model.trainable_variables
-        grads, loss = self._gradient_fn(x, y, sample_weight)
+        grads, loss, normaliser = self._gradient_fn(x, y, sample_weight)
         batch = ops.cast(_batch_size(x), "float32")
+        local_normaliser = normaliser
         if self._distributed:
             # Only an empty global batch is skipped: a replica's shard of a
             # short one may be empty alone.
-            batch = tf.distribute.get_replica_context().all_reduce("sum", batch)
+            context = tf.distribute.get_replica_context()
+            batch = context.all_reduce("sum", batch)
+            # The replicas' gradients are summed, each of a mean that Keras
+            # divided by the replica count: the global normaliser divides.
+            normaliser = context.all_reduce("sum", normaliser) / context.num_replicas_in_sync
+        grads = [g if statistics else ops.divide_no_nan(g, normaliser)
+                 for g, statistics in zip(grads, self._is_statistics)]
+        loss = ops.divide_no_nan(loss, local_normaliser)
         # An empty batch has zero gradients, which Adam's momentum would still
         # apply: a non-finite loss makes the optimizer skip the step instead.
         self.optimizer.observe_loss(ops.where(batch > 0, loss, float("nan")))
@@ -182,8 +195,9 @@ class _TrainStep:
         return self._logs(loss)
 
     def _gradients(self, x, y, sample_weight):
-        """The window's gradients, summed over its micro-batches, and its
-        mean loss."""
+        """The window's gradients and loss, each micro-batch's weighted by
+        its normaliser, and the sum of those normalisers (which divides
+        both)."""
         k = self.accumulation_steps
         if k == 1:
             return self._micro_batch(x, y, sample_weight, 1.0)
@@ -199,6 +213,7 @@ class _TrainStep:
         carry = (
             [ops.zeros(v.shape, "float32") for v in self.model.trainable_variables],
             ops.zeros((), "float32"),
+            ops.zeros((), "float32"),
         )
         start = 0
         for count, length in ((rest, size + 1), (k - rest, size)):
@@ -212,44 +227,56 @@ class _TrainStep:
             share = ops.cast(length, "float32") / ops.cast(batch, "float32")
 
             def body(i, carry, group=group, share=share):
-                grads, loss = self._micro_batch(*_map(lambda t: t[i], group), share)
-                summed, total = carry
+                grads, loss, normaliser = self._micro_batch(
+                    *_map(lambda t: t[i], group), share
+                )
+                summed, total, normalisers = carry
                 return [
                     gradient_window.accumulate(a, g, statistics)
                     for a, g, statistics in zip(summed, grads, self._is_statistics)
-                ], total + loss
+                ], total + loss, normalisers + normaliser
 
             # A micro-batch of no samples (a batch smaller than k) is not run.
             carry = ops.fori_loop(0, ops.where(length > 0, count, 0), body, carry)
         return carry
 
     def _micro_batch(self, x, y, sample_weight, share):
+        """One micro-batch's gradients and loss, times its weight, and its
+        normaliser: `(grads * w, loss * w, n)`, where the window divides by
+        the sum of the `n`."""
         variables = self.model.trainable_variables
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         with tf.GradientTape() as tape:
             y_pred = self.model(x, training=True)
             # As in `model.fit`: a Keras loss already divides its mean by
             # the number of replicas, and `model.losses` are divided here.
-            loss = self._total_loss(y, y_pred, sample_weight)
+            loss, normaliser = self._total_loss(y, y_pred, sample_weight, share)
             if self.model.losses:
-                loss = loss + ops.sum(
+                loss = loss + share * ops.sum(
                     ops.stack([ops.cast(l, "float32") for l in self.model.losses])
                 ) / replicas
-            # A micro-batch's mean weighs in by its share of the window's
-            # samples, which sums weight penalties (equal in each) to one.
-            loss = loss * share
             # `scale_loss`'s product; the loss is observed once per window,
             # outside the loop (an update of a variable summed over replicas
             # cannot run in a loop or a nested function).
             scaled = loss * self.optimizer.loss_scale
         grads = tape.gradient(scaled, variables)
+        # The backward pass ran at the share of the samples (the float16
+        # magnitudes of one step on the whole batch); the float32 sums weigh
+        # by the normaliser instead. Statistics are not weighed.
+        weight = 1.0 if normaliser is None else normaliser / share
+        normaliser = ops.cast(share, "float32") if normaliser is None else normaliser
+        # Dense: the window's sums are (an embedding's gradient too).
         return [
-            ops.zeros_like(v) if g is None else ops.convert_to_tensor(g)
-            for g, v in zip(grads, variables)
-        ], loss * replicas
+            ops.zeros_like(v) if g is None
+            else tf.convert_to_tensor(g) * (1.0 if statistics else weight)
+            for g, v, statistics in zip(grads, variables, self._is_statistics)
+        ], loss * weight * replicas, normaliser
 
-    def _total_loss(self, y, y_pred, sample_weight):
-        """`loss_fn` as a float32 scalar, summed over several outputs."""
+    def _total_loss(self, y, y_pred, sample_weight, share):
+        """`loss_fn` as a float32 scalar, summed over several outputs, each
+        weighted for the window: a mean by `share` (its share of the samples),
+        a sum by 1. Returns it and, where a single output's normaliser
+        depends on the data, that normaliser (else None)."""
         if not isinstance(y_pred, (list, tuple, dict)):
             terms = [(y, y_pred, sample_weight)]
         else:
@@ -262,11 +289,25 @@ class _TrainStep:
                 outputs,
                 _per_output(sample_weight, names, len(outputs), "sample_weight"),
             )
+        terms = list(terms)
+        fn = self.loss_fn
+        dependent = [loss_normaliser.depends_on_data(fn, p, w) for _, p, w in terms]
+        if any(dependent) and len(terms) > 1 and self.accumulation_steps > 1:
+            raise ValueError(
+                f"accumulation_steps={self.accumulation_steps} with {len(terms)} "
+                "outputs whose loss normalisers differ (a Keras mask, or "
+                "'mean_with_sample_weight'): no single weight per micro-batch "
+                "equals the whole batch's step. Use accumulation_steps=1 or "
+                "one output."
+            )
         # A sum, as the gradient of an unreduced loss is; Keras leaves an
         # empty batch's loss unreduced, of shape (0,).
-        return sum(
-            ops.sum(ops.cast(self.loss_fn(t, p, w), "float32")) for t, p, w in terms
-        )
+        weight = 1.0 if fn.reduction in loss_normaliser.ADDITIVE else share
+        loss = weight * sum(ops.sum(ops.cast(fn(t, p, w), "float32")) for t, p, w in terms)
+        if any(dependent):
+            ((t, p, w),) = terms
+            return loss, loss_normaliser.normaliser(fn, t, p, w)
+        return loss, None
 
     def _logs(self, loss):
         opt = self.optimizer
