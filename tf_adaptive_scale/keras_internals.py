@@ -118,8 +118,9 @@ def traced_reads(operation, *args, **kwargs):
 
 
 def mask_of(tensor):
-    """The mask Keras attached to a symbolic tensor (`mask_zero`, `Masking`),
-    or None.
+    """The mask Keras attached to a tensor (`mask_zero`, `Masking`), or
+    None: symbolic in a graph, or computed in a step (Keras's losses read it
+    to leave masked entries out of their mean).
 
     Keras keeps it in the tensor's `_keras_mask`; its accessor
     `get_keras_mask` is not exported.
@@ -200,13 +201,3 @@ def stateless_scope():
 
     return get_stateless_scope()
 
-
-def keras_mask(tensor):
-    """The Keras mask a layer attached to `tensor` (None if none).
-
-    Keras's losses read it to leave masked entries out of their mean;
-    `keras.src.backend.get_keras_mask` has no public export.
-    """
-    from keras.src.backend import get_keras_mask
-
-    return get_keras_mask(tensor)

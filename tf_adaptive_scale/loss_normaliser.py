@@ -19,7 +19,7 @@ def depends_on_data(loss, y_pred, sample_weight):
     """Whether `loss`'s normaliser on a batch is something other than its
     number of values or 1 (known while tracing: masks and weights are)."""
     reduction = loss.reduction
-    masked = keras_internals.keras_mask(y_pred) is not None
+    masked = keras_internals.mask_of(y_pred) is not None
     if reduction == "mean_with_sample_weight":
         return masked or sample_weight is not None
     return reduction not in ADDITIVE and masked
@@ -42,8 +42,8 @@ def normaliser(loss, y_true, y_pred, sample_weight):
         return ops.ones((), "float32")
     values = loss.call(ops.convert_to_tensor(y_true, loss.dtype),
                        ops.convert_to_tensor(y_pred, loss.dtype))
-    masks = [m for m in (keras_internals.keras_mask(y_pred),
-                         keras_internals.keras_mask(values)) if m is not None]
+    masks = [m for m in (keras_internals.mask_of(y_pred),
+                         keras_internals.mask_of(values)) if m is not None]
     mask = None
     if masks:
         mask = ops.cast(masks[0] if len(masks) == 1 else ops.logical_and(*masks), "float32")
