@@ -22,6 +22,7 @@ ON_JAX = {
     "test_jax.py",
     "test_compiled_step.py",
     "test_fit.py",
+    "test_fit_accumulation.py",
     "test_gradient_paths.py",
     "test_scale_policy.py",
     "test_scaling.py",

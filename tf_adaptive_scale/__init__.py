@@ -6,6 +6,8 @@ from tf_adaptive_scale import demo_console  # noqa: I001
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale.accumulation_model import ExactAccumulationModel
+from tf_adaptive_scale.accumulation_model import exact_accumulation
 from tf_adaptive_scale.forward_check import first_non_finite_layer
 from tf_adaptive_scale.gradient_scale import GradientScale
 from tf_adaptive_scale.gradient_scale import ScaleTable
@@ -46,11 +48,13 @@ def __getattr__(name):
 
 __all__ = [
     "AdaptiveLossScaleOptimizer",
+    "ExactAccumulationModel",
     "GradientScale",
     "InstrumentedModel",
     "ScaleMonitor",
     "ScaleTable",
     "SkippedStepsError",
+    "exact_accumulation",
     "first_non_finite_layer",
     "instrument",
     "make_train_step",

@@ -1,9 +1,11 @@
 """Gradient accumulation: one optimizer step per window of micro-batches.
 
 Within a window the scale does not change, so the unscaled gradients of its
-micro-batches are summed in float32 and decided on once: one finite check,
-one apply or skip, one scale update. Their statistics combine as those of
-replicas do: counts add up, peaks take the largest.
+micro-batches are summed in float32, each times its weight (1, or its loss's
+normaliser: `exact_accumulation`), and decided on once, divided by the sum
+of the weights: one finite check, one apply or skip, one scale update. Their
+statistics combine as those of replicas do: counts add up, peaks take the
+largest.
 """
 
 from keras import ops
@@ -36,7 +38,7 @@ class GradientWindow:
     Example:
 
     >>> window = GradientWindow(optimizer, var_list, steps=4)
-    >>> last = window.add({0: grad}, measurement, loss_finite)
+    >>> last = window.add({0: grad}, 1.0, measurement, loss_finite)
     """
 
     def __init__(self, optimizer, variables, steps):
@@ -55,16 +57,22 @@ class GradientWindow:
         self.count = optimizer.add_variable(
             (), initializer="zeros", dtype="int32", name="window_count"
         )
+        # The sum of the micro-batches' weights, which divides the sums.
+        self.weight = optimizer.add_variable(
+            (), initializer="zeros", dtype="float32", name="window_weight"
+        )
         # Whether every micro-batch's loss so far was finite.
         self.loss_finite = optimizer.add_variable(
             (), initializer="ones", dtype="bool", name="window_loss_finite"
         )
 
-    def add(self, values, measurement, loss_finite):
+    def add(self, values, weight, measurement, loss_finite):
         """Adds one micro-batch.
 
         Args:
-            values: `{optimizer variable index: gradient or statistics}`.
+            values: `{optimizer variable index: gradient or statistics}`,
+                gradients already times `weight`.
+            weight: The micro-batch's weight (a float32 scalar).
             measurement: Packed histogram, zeros and peak
                 (`gradient_statistics.combine_measurements`' rows).
             loss_finite: bool, this micro-batch's loss was finite.
@@ -83,16 +91,17 @@ class GradientWindow:
             )
         )
         self.count.assign_add(1)
+        self.weight.assign_add(ops.cast(weight, "float32"))
         self.loss_finite.assign(ops.logical_and(self.loss_finite.value, loss_finite))
         return last
 
-    def add_and_decide(self, values, measurement, loss_finite, decide):
+    def add_and_decide(self, values, weight, measurement, loss_finite, decide):
         """Adds one micro-batch (see `add`); on the window's last, calls
         `decide(contents, measurement, loss_finite)` for the whole window
         (`contents` as the method below: each replica reads its own copy of
         the sums) and empties the window.
         """
-        last = self.add(values, measurement, loss_finite)
+        last = self.add(values, weight, measurement, loss_finite)
 
         def run():
             decide(self.contents, self.measurement.value, self.loss_finite.value)
@@ -101,14 +110,16 @@ class GradientWindow:
         branching.cond(last, run, lambda: None)
 
     def contents(self, index):
-        """The window's mean gradient, or combined statistics, of the
-        variable at `index`."""
+        """The window's weighted mean gradient, or combined statistics, of
+        the variable at `index` (a window whose weights are all 0, every
+        entry masked, has a zero gradient)."""
         total = self.sums[index].value
-        return total if self.is_statistics[index] else total / self.steps
+        return total if self.is_statistics[index] else ops.divide_no_nan(total, self.weight.value)
 
     def reset(self):
         for total in self.sums:
             total.assign(ops.zeros(total.shape))
         self.measurement.assign(ops.zeros(self.measurement.shape))
         self.count.assign(0)
+        self.weight.assign(0.0)
         self.loss_finite.assign(True)

@@ -122,10 +122,13 @@ def mask_of(tensor):
     None: symbolic in a graph, or computed in a step (Keras's losses read it
     to leave masked entries out of their mean).
 
-    Keras keeps it in the tensor's `_keras_mask`; its accessor
+    Keras keeps it in the tensor's `_keras_mask` or, for tensors that take
+    no attribute (JAX arrays), in a table by id; its accessor
     `get_keras_mask` is not exported.
     """
-    return getattr(tensor, "_keras_mask", None)
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(tensor)
 
 
 # Optimizers: the state `build` sets up.

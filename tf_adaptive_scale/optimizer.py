@@ -10,6 +10,7 @@ from keras import ops
 from tf_adaptive_scale import backends
 from tf_adaptive_scale import branching
 from tf_adaptive_scale import clipping
+from tf_adaptive_scale import accumulation_model
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import gradient_window
@@ -262,12 +263,16 @@ class AdaptiveLossScaleOptimizer(
 
     def _add_to_window(self, inputs, apply_fn, loss_finite):
         """Adds one micro-batch to the window (its unscaled gradients and
-        statistics); the window's last micro-batch decides for all."""
+        statistics, weighted by its loss's normaliser where the model says
+        it: `exact_accumulation`); the window's last micro-batch decides for
+        all."""
         regular = self._regular(inputs.variables)
         steps = self._table_steps(inputs, regular)
-        unscaled = stats.unscale(
-            inputs.grads, self._log2_divisors(self._step_state.scale_state(), steps, regular)
-        )
+        state = self._step_state.scale_state()
+        unscaled = stats.unscale(inputs.grads, self._log2_divisors(state, steps, regular))
+        weight = 1.0
+        for i in accumulation_model.normaliser_variables(inputs.variables):
+            weight = inputs.grads[i] * stats.pow2(-self._log2_gradient_scale(state.log2_scale))
         if inputs.tables:  # per layer, the tables carry the statistics
             packed = ops.zeros((measurement.PACKED_SIZE,))
         elif inputs.packed:  # each replica's, combined
@@ -278,12 +283,13 @@ class AdaptiveLossScaleOptimizer(
         rows = {i: index(inputs.variables[i]) for i in regular}
         statistics = [index(t.statistics) for _, t in inputs.tables]
         # The window's sums are dense: a sparse gradient is summed into them.
-        values = {rows[i]: sparse.dense(unscaled[i]) for i in regular}
+        values = {rows[i]: sparse.dense(unscaled[i]) * weight for i in regular}
         values.update(zip(statistics, inputs.table_grads))
 
         def decide(contents, window_packed, window_loss_finite):
             def window(grads):
-                """The window's mean in place of a micro-batch's gradients."""
+                """The window's weighted mean in place of a micro-batch's
+                gradients."""
                 return [contents(rows[i]) if i in rows else g for i, g in enumerate(grads)]
 
             self._decide(
@@ -300,7 +306,7 @@ class AdaptiveLossScaleOptimizer(
                 window_loss_finite,
             )
 
-        self._window.add_and_decide(values, packed, loss_finite, decide)
+        self._window.add_and_decide(values, weight, packed, loss_finite, decide)
 
     def _table_steps(self, inputs, regular):
         rule = functools.partial(

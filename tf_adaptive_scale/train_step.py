@@ -97,7 +97,7 @@ class _TrainStep:
                 f"`jit_compile` must be True or False. Received: {jit_compile!r}"
             )
         self.model = model
-        self.loss_fn = _loss(loss_fn)
+        self.loss_fn = loss_normaliser.keras_loss(loss_fn)
         self.optimizer = optimizer
         self.accumulation_steps = validation.positive_int(
             "accumulation_steps", accumulation_steps
@@ -418,30 +418,3 @@ def _per_output(value, names, outputs, what):
         )
     return [value] * outputs
 
-
-def _loss(loss_fn):
-    """A reducing Keras loss from a name, function or `Loss`."""
-    if isinstance(loss_fn, str):
-        loss_fn = keras.losses.get(loss_fn)
-    if isinstance(loss_fn, keras.losses.Loss):
-        return loss_fn
-    if not callable(loss_fn):
-        raise ValueError(
-            "`loss_fn` must be a Keras loss name, a loss function "
-            f"`fn(y_true, y_pred)` or a keras.losses.Loss. Received: {loss_fn!r}"
-        )
-    return _FunctionLoss(loss_fn)
-
-
-class _FunctionLoss(keras.losses.Loss):
-    """A per-sample loss function, reduced and weighted as Keras does."""
-
-    def __init__(self, fn):
-        # The name becomes a name scope: a lambda's '<lambda>' is none.
-        name = getattr(fn, "__name__", "")
-        valid = name.isidentifier() and name.isascii()
-        super().__init__(name=name if valid else "loss")
-        self.fn = fn
-
-    def call(self, y_true, y_pred):
-        return self.fn(y_true, y_pred)

@@ -1,0 +1,159 @@
+"""`fit` with `accumulation_steps=K` on a model wrapped by
+`tas.exact_accumulation` equals one step on the K batches together, for
+masked sequences (`Embedding(mask_zero=True)`, `Masking`), sample and class
+weights and `"mean_with_sample_weight"`, on TensorFlow and JAX.
+
+The reference is Keras's own: `fit` with a plain SGD on one batch holding
+the K batches (float32, nothing scaled), from the same weights.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+import tf_adaptive_scale as tas
+
+LR = 0.5
+BATCH = 8
+
+
+def padded(n, seed=0, vocab=20, length=12):
+    """Bucketed lengths: each batch of `BATCH` holds its own token count."""
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(rng.integers(1, length + 1, n))[::-1]
+    x = np.zeros((n, length), "int32")
+    for row, count in enumerate(lengths):
+        x[row, :count] = rng.integers(1, vocab, count)
+    return x, rng.integers(0, 5, (n, length)).astype("int32")
+
+
+def embedding_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((12,), dtype="int32")
+    h = layers.Embedding(20, 8, mask_zero=True)(inputs)
+    return keras.Model(inputs, layers.Dense(5)(layers.Dense(8, activation="tanh")(h)))
+
+
+def masking_model():
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((12, 3))
+    h = layers.Masking(0.0)(inputs)
+    return keras.Model(inputs, layers.Dense(2)(layers.Dense(8, activation="tanh")(h)))
+
+
+def dense_model():
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, layers.Dense(3)(layers.Dense(8, activation="tanh")(inputs)))
+
+
+def problem(name, n):
+    """`(model, loss, fit keyword arguments)` for `n` samples."""
+    rng = np.random.default_rng(4)
+    if name == "embedding_mask_zero":
+        x, y = padded(n)
+        return embedding_model(), "sparse_categorical_crossentropy", dict(x=x, y=y)
+    if name == "masking":
+        x, _ = padded(n, seed=1)
+        features = np.repeat(x[..., None].astype("float32") / 20.0, 3, axis=-1)
+        y = rng.normal(size=(n, 12, 2)).astype("float32")
+        return masking_model(), "mse", dict(x=features, y=y)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, n).astype("int32")
+    if name == "sample_weight":
+        weights = dict(sample_weight=rng.uniform(0.0, 3.0, n).astype("float32"))
+    elif name == "class_weight":
+        weights = dict(class_weight={0: 0.2, 1: 1.0, 2: 5.0})
+    else:  # a loss that divides by the sum of the sample weights
+        loss = keras.losses.SparseCategoricalCrossentropy(reduction="mean_with_sample_weight")
+        return dense_model(), loss, dict(x=x, y=y, sample_weight=rng.uniform(0, 3, n))
+    return dense_model(), "sparse_categorical_crossentropy", dict(x=x, y=y, **weights)
+
+
+def fit_update(model, optimizer, loss, data, batch_size):
+    inner = getattr(model, "inner", model)
+    start = inner.get_weights()
+    model.compile(optimizer, loss=loss)
+    model.fit(**data, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return np.concatenate([(w - s).ravel() for w, s in zip(inner.get_weights(), start)])
+
+
+def relative_error(name, k, wrap):
+    model, loss, data = problem(name, BATCH * k)
+    start = model.get_weights()
+    reference = fit_update(model, keras.optimizers.SGD(LR), loss, data, BATCH * k)
+    model, _, _ = problem(name, BATCH * k)
+    model.set_weights(start)
+    if wrap:
+        model = tas.exact_accumulation(model)
+    optimizer = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(LR), scaling="none", accumulation_steps=k
+    )
+    update = fit_update(model, optimizer, loss, data, BATCH)
+    assert int(optimizer.skipped_steps) == 0
+    return np.linalg.norm(update - reference) / np.linalg.norm(reference)
+
+
+PROBLEMS = ["embedding_mask_zero", "masking", "sample_weight", "class_weight",
+            "mean_with_sample_weight"]
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fit_accumulation_equals_one_step_on_the_window(name, k):
+    assert relative_error(name, k, wrap=True) < 1e-5
+
+
+def test_without_the_wrapper_masked_batches_weigh_equally():
+    """What the wrapper is for: a plain model's window is off by tenths."""
+    assert relative_error("embedding_mask_zero", 4, wrap=False) > 0.1
+
+
+def test_a_summed_loss_is_refused():
+    model = tas.exact_accumulation(dense_model())
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="none",
+                                                 accumulation_steps=2),
+                  loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(ValueError, match="reduction='sum' adds its batches up"):
+        model.fit(np.zeros((8, 6)), np.zeros((8, 3)), batch_size=4, verbose=0)
+
+
+def test_bad_models_are_refused():
+    with pytest.raises(TypeError, match="`model` must be a Keras model"):
+        tas.exact_accumulation(layers.Dense(2))
+    with pytest.raises(ValueError, match="instrumented"):
+        tas.exact_accumulation(tas.instrument(dense_model()))
+
+
+def test_the_wrapper_saves_and_loads(tmp_path):
+    model = tas.exact_accumulation(embedding_model())
+    x, y = padded(16)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), scaling="none",
+                                                 accumulation_steps=2),
+                  loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, tas.ExactAccumulationModel)
+    np.testing.assert_array_equal(np.asarray(loaded.predict(x, verbose=0)),
+                                  np.asarray(model.predict(x, verbose=0)))
+
+
+def test_under_mixed_float16_the_window_matches_float32(float16_policy):
+    """The normaliser arrives scaled with the loss and is unscaled with it."""
+    x, y = padded(BATCH * 4)
+    model = embedding_model()
+    keras.mixed_precision.set_global_policy("float32")
+    twin = embedding_model()
+    twin.set_weights(model.get_weights())
+    reference = fit_update(twin, keras.optimizers.SGD(LR), "sparse_categorical_crossentropy",
+                           dict(x=x, y=y), BATCH * 4)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), accumulation_steps=4,
+                                               initial_scale=2.0**8)
+    update = fit_update(tas.exact_accumulation(model), optimizer,
+                        "sparse_categorical_crossentropy", dict(x=x, y=y), BATCH)
+    assert int(optimizer.skipped_steps) == 0 and float(optimizer.loss_scale) > 1.0
+    assert np.linalg.norm(update - reference) / np.linalg.norm(reference) < 2e-2
