@@ -7,9 +7,13 @@ The reference is Keras's own: `fit` with a plain SGD on one batch holding
 the K batches (float32, nothing scaled), from the same weights.
 """
 
+import json
+import os
+
 import keras
 import numpy as np
 import pytest
+from helpers import TESTS
 from keras import layers
 
 import tf_adaptive_scale as tas
@@ -157,3 +161,17 @@ def test_under_mixed_float16_the_window_matches_float32(float16_policy):
                         "sparse_categorical_crossentropy", dict(x=x, y=y), BATCH)
     assert int(optimizer.skipped_steps) == 0 and float(optimizer.loss_scale) > 1.0
     assert np.linalg.norm(update - reference) / np.linalg.norm(reference) < 2e-2
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="tf.distribute: JAX computes the global batch's loss in one program")
+def test_under_a_mirrored_strategy_the_window_matches_one_device():
+    """Each replica's loss divides by its own token count: the replicas
+    weigh by theirs, so two replicas give one device's update."""
+    from helpers import run_python
+
+    results = json.loads(run_python(os.path.join(TESTS, "accumulation_worker.py"),
+                                    timeout=600).strip().splitlines()[-1])
+    assert results["fit_plain"] > 0.1, results
+    assert results["fit_wrapped"] < 1e-5, results
+    assert results["make_train_step"] < 1e-5, results

@@ -511,6 +511,81 @@ def test_legacy_loop_matches_stock_loop(eager):
     assert_same_values(our_model.get_weights(), stock_model.get_weights(), rtol=1e-6)
 
 
+# tf-keras's own LossScaleOptimizer tests of the legacy calls, ported
+# (tf_keras/mixed_precision/loss_scale_optimizer_test.py), eager and traced.
+
+TF_ONLY = pytest.mark.skipif(not TF, reason="the tf-keras API: TensorFlow only")
+
+
+def run(fn, eager):
+    return fn() if eager else tf.function(fn, autograph=False)()
+
+
+@TF_ONLY
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "traced"])
+def test_tf_keras_get_scaled_loss(eager):
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(), scaling="static", initial_scale=2.0
+    )
+    for dtype in ("float32", "float16"):
+        loss = tf.convert_to_tensor(5.0, dtype=dtype)
+        assert float(run(lambda: opt.get_scaled_loss(loss), eager)) == 10.0
+        assert float(run(lambda: opt.get_scaled_loss(lambda: loss)(), eager)) == 10.0
+
+
+@TF_ONLY
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "traced"])
+def test_tf_keras_get_unscaled_gradients(eager):
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(), scaling="static", initial_scale=2.0
+    )
+    scaled = [tf.constant(3.0), None, tf.constant(-4.0, dtype="float16")]
+    grads = run(lambda: opt.get_unscaled_gradients(scaled), eager)
+    assert [None if g is None else float(g) for g in grads] == [1.5, None, -2.0]
+    sparse = tf.IndexedSlices(tf.constant([[4.0, 2.0], [8.0, 5.0]]), tf.constant([1, 3]),
+                              dense_shape=tf.constant([5, 2]))
+    (grad,) = run(lambda: opt.get_unscaled_gradients([sparse]), eager)
+    assert isinstance(grad, tf.IndexedSlices)
+    np.testing.assert_array_equal(grad.values.numpy(), [[2.0, 1.0], [4.0, 2.5]])
+
+
+@TF_ONLY
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "traced"])
+def test_tf_keras_dynamic_loss_scale_with_the_legacy_calls(eager):
+    """tf-keras's testDynamicLossScale through get_scaled_loss,
+    get_unscaled_gradients and apply_gradients: the loss is the variable,
+    so the scaled gradient is the scale; the scale doubles every step."""
+    var = keras.Variable([5.0])
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(2.0), scaling="dynamic", initial_scale=2.0,
+        dynamic_growth_steps=1,
+    )
+    opt.build([var])
+
+    def step():
+        with tf.GradientTape() as tape:
+            scaled = opt.get_scaled_loss(keras.ops.sum(var.value))
+        (grad,) = tape.gradient(scaled, [var])
+        (unscaled,) = opt.get_unscaled_gradients([grad])
+        opt.apply_gradients([(unscaled, var)])
+        return grad
+
+    step_fn = step if eager else tf.function(step, autograph=False)
+    assert float(step_fn()[0]) == 2.0
+    np.testing.assert_array_equal(var.numpy(), [3.0])
+    assert float(opt.loss_scale) == 4.0
+    assert float(step_fn()[0]) == 4.0
+    np.testing.assert_array_equal(var.numpy(), [1.0])
+
+
+@pytest.mark.skipif(TF, reason="the refusal off TensorFlow")
+def test_get_unscaled_gradients_is_refused_off_tensorflow():
+    """A JAX step is stateless: the legacy call could not mark it."""
+    ours = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="TensorFlow only"):
+        ours.get_unscaled_gradients([keras.ops.ones((2,))])
+
+
 # ------------------------------------------------------- 6. serialization
 
 STOCK_FORMS = [

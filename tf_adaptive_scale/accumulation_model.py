@@ -16,6 +16,7 @@ global batch's.
 import keras
 from keras import ops
 
+from tf_adaptive_scale import backends
 from tf_adaptive_scale import loss_normaliser
 
 # The attribute that marks the variable whose gradient is the normaliser.
@@ -85,6 +86,8 @@ class ExactAccumulationModel(keras.Model):
         if not training or loss is None:
             return loss
         normaliser = loss_normaliser.of_compiled(self.loss, y, y_pred, sample_weight)
+        # Under a tf.distribute strategy, replicas weigh by their normaliser.
+        loss = loss * ops.cast(backends.replica_weight(normaliser), loss.dtype)
         probe = ops.cast(self.normaliser.value, loss.dtype)
         # Adds 0; its gradient for `self.normaliser` is the normaliser.
         return loss + (probe - ops.stop_gradient(probe)) * ops.cast(normaliser, loss.dtype)

@@ -25,6 +25,7 @@ if TENSORFLOW:
     # Step counters, int64 as in the stock optimizer.
     COUNTER_DTYPE = "int64"
 
+    from tf_adaptive_scale.distribution import replica_weight
     from tf_adaptive_scale.distribution import run_step
     from tf_adaptive_scale.tensorflow_graph import assign_now
     from tf_adaptive_scale.tensorflow_graph import computes_in_float16
@@ -55,6 +56,10 @@ else:
             grads + [t for t, _ in statistics],
             lambda applied, _: inner_optimizer.apply(applied, variables),
         )
+
+    def replica_weight(normaliser):
+        """One program computes the global batch's loss: nothing to weigh."""
+        return 1.0
 
     def assign_now(variable, value):
         """Sets `variable` to `value` (outside a trace: decided at `build`)."""

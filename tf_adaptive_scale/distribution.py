@@ -118,3 +118,19 @@ def _apply_on_every_replica(strategy, inner_optimizer, variables, summed, transf
     # Replicas run in threads of their own: switch around them all.
     with keras_internals.gradients_already_summed(inner_optimizer):
         strategy.extended.call_for_each_replica(apply_replica, args=(summed,))
+
+
+def replica_weight(normaliser):
+    """What one replica's mean loss is multiplied by so that the replicas'
+    summed gradients are those of the global batch's mean: its normaliser
+    times the replica count over the global normaliser (1 without replicas).
+
+    Keras divides each replica's loss by the replica count and by its own
+    normaliser, which differ where a mask leaves a different number of
+    entries on each replica.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return 1.0
+    total = context.all_reduce("sum", normaliser)
+    return tf.math.divide_no_nan(normaliser * context.num_replicas_in_sync, total)
