@@ -94,3 +94,56 @@ def test_sampled_scales_within_one_binade_of_exact(family, scaling):
     assert sampled.shape == exact.shape and sampled_low.shape == exact_low.shape
     assert np.max(np.abs(sampled - exact)) <= 1.0
     assert np.max(np.abs(sampled_low - exact_low)) <= 1.0
+
+
+HEADS = [(1280, 5), (2048, 5), (2048, 37), (2048, 101), (1024, 10)]
+
+
+def head_gradient(features, classes, batch=64, seed=0):
+    """A classifier head's kernel gradient, `x^T (softmax(x W) - onehot) / B`."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, features))
+    logits = x @ (rng.standard_normal((features, classes)) * 0.02)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(batch), rng.integers(0, classes, batch)] -= 1.0
+    return (x.T @ p / batch).astype("float32")
+
+
+@pytest.mark.parametrize("shape", HEADS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_sample_reads_every_column_of_a_classifier_head(shape):
+    """A stride that divides the kernel's size lines up with its columns:
+    a prime stride of 5 on a (2048, 5) head read class 0 alone (its norm
+    1.9x off). The stride is coprime with the size, so with every axis."""
+    index = ops.arange(shape[0] * shape[1], dtype="float32")
+    sample, _ = stats._strided_sample(index, stats.VARIABLE_SAMPLE)
+    columns = np.unique(np.asarray(sample).astype(np.int64) % shape[1])
+    assert len(columns) == shape[1]
+    kernel = ops.array(head_gradient(*shape))
+    exact = stats.grouped_statistics([kernel], [0], 1)
+    sampled = stats.grouped_statistics([kernel], [0], 1, sample=stats.VARIABLE_SAMPLE)
+    assert np.sqrt(float(sampled.squares[0])) == pytest.approx(
+        np.sqrt(float(exact.squares[0])), rel=0.1)
+
+
+def test_the_recorded_norm_of_a_2048_to_5_head(float16_policy):
+    """End to end: the norm the optimizer records for the head's kernel,
+    against the float32 gradient's."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(5, name="head")])
+    twin = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(5, dtype="float32")])
+    twin.set_weights(model.get_weights())
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 2048)).astype("float32")
+    y = rng.integers(0, 5, 64)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), update_every=1)
+    model.compile(optimizer, loss)
+    model.train_on_batch(x, y)
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        value = loss(y, twin(x))
+    exact = float(tf.norm(tape.gradient(value, twin.trainable_variables[0])))
+    recorded = float(optimizer.variable_gradient_norms.numpy()[0])
+    assert recorded == pytest.approx(exact, rel=0.1)

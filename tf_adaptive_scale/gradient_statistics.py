@@ -170,15 +170,19 @@ def _strided_sample(flat, size):
     n = flat.shape[0]
     if size is None or n is None or n <= size:
         return flat, 1.0
-    # A prime stride: a round one would read the same few columns of every
-    # row of a kernel (a stride of 256 on a 1024-wide one reads 4 of them).
+    # A prime stride that does not divide the length: every axis length of
+    # the gradient divides it, so the stride is coprime with each and the
+    # sample walks every column of a kernel (a round stride of 256 on a
+    # 1024-wide one reads 4 of them; a stride of 5 on a (2048, 5) head, one).
     stride = _next_prime(-(-n // size))
+    while n % stride == 0:
+        stride = _next_prime(stride + 1)
     kept = -(-n // stride)
     return flat[::stride], n / kept
 
 
 def _next_prime(n):
-    while n > 2 and any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
+    while n < 2 or any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
         n += 1
     return n
 
