@@ -394,17 +394,21 @@ class AdaptiveLossScaleOptimizer(
         and whether the whole step is (its loss and backward pass too).
         Unclipped, what reaches a weight is the unscaled gradient, whose
         statistics `each` already tell."""
-        if self._clippers:
-            finite_each = [ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular]
+        # One vector, not a scalar per variable (a kernel each).
+        if not regular:  # only variables overwritten with their gradients
+            finite_each = ops.zeros((0,), "bool")
+        elif self._clippers:
+            finite_each = ops.stack(
+                [ops.all(ops.isfinite(sparse.values(applied[i]))) for i in regular])
         else:
-            finite_each = [ops.equal(each.non_finite[k], 0) for k in range(len(regular))]
+            finite_each = ops.equal(each.non_finite, 0)
         # Variables overwritten with their gradients (float8 scales) are
         # checked too, as the stock optimizer checks them.
         overwritten = [
             ops.all(ops.isfinite(sparse.values(g)))
             for i, g in enumerate(applied) if i not in regular
         ]
-        finite = ops.logical_and(_all(finite_each + overwritten), loss_finite)
+        finite = ops.logical_and(_all([ops.all(finite_each)] + overwritten), loss_finite)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
         return finite_each, finite

@@ -63,7 +63,7 @@ class StepState:
             flags.value,
             ops.scatter_update(
                 ops.zeros(flags.shape), rows,
-                ops.cast(ops.logical_not(ops.stack(finite_each)), "float32"),
+                ops.cast(ops.logical_not(finite_each), "float32"),
             ),
         ))
 

@@ -1,0 +1,101 @@
+"""Top-level kernels of `fit`'s optimized XLA step, per mode: count before
+you time.
+
+A top-level kernel is an instruction of the optimized entry computation
+other than parameter, constant, tuple, get-tuple-element and bitcast: one
+launch each on a GPU. The counts do not change with machine load. For MLPs
+of two depths the table gives each mode's kernels over stock's and that
+excess per trainable variable (its slope between the depths): a constant
+excess has slope 0.
+
+    PYTHONPATH=. python benchmarks/kernel_census.py            # depths 4 and 16
+    PYTHONPATH=. python benchmarks/kernel_census.py --by-kind  # and what the kernels are
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from helpers import optimized_fit_program  # noqa: E402
+
+import tf_adaptive_scale as tas  # noqa: E402
+
+NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def top_level_kernels(hlo):
+    """The opcodes of the optimized entry computation's kernels."""
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    opcodes = re.findall(r"= \S+ ([a-z\-]+)\(", entry)
+    return [op for op in opcodes if op not in NOT_KERNELS]
+
+
+def mlp(depth, width=64):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        + [keras.layers.Dense(10)]
+    )
+    x = np.random.default_rng(0).standard_normal((32, width)).astype("float32")
+    return model, x, np.ones((32, 10), "float32")
+
+
+MODES = {
+    "stock": lambda model: (model, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())),
+    "adaptive": lambda model: (model, tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD())),
+    "per layer": lambda model: (tas.instrument(model), tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(), scaling="per_layer", update_every=100)),
+}
+
+
+def census(depths):
+    """`{(mode, depth): (kernels, variables)}`."""
+    found = {}
+    for depth in depths:
+        for mode, make in MODES.items():
+            model, x, y = mlp(depth)
+            model, optimizer = make(model)
+            kernels = top_level_kernels(optimized_fit_program(model, optimizer, x, y))
+            found[mode, depth] = kernels, len(model.trainable_variables)
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="4,16")
+    parser.add_argument("--by-kind", action="store_true")
+    args = parser.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    found = census(depths)
+    print(f"backend {keras.backend.backend()}; kernels of fit's optimized step, MLP depths {depths}")
+    print("| mode | " + " | ".join(f"depth {d}: kernels (over stock)" for d in depths)
+          + " | excess per variable |")
+    print("|---" * (len(depths) + 2) + "|")
+    for mode in MODES:
+        cells, excess = [], []
+        for depth in depths:
+            kernels, variables = found[mode, depth]
+            over = len(kernels) - len(found["stock", depth][0])
+            cells.append(f"{len(kernels)} ({over:+d})")
+            excess.append((variables, over))
+        (v0, e0), (v1, e1) = excess[0], excess[-1]
+        slope = (e1 - e0) / (v1 - v0) if v1 != v0 else 0.0
+        print(f"| {mode} | " + " | ".join(cells) + f" | {slope:.2f} |")
+    if args.by_kind:
+        for (mode, depth), (kernels, _) in found.items():
+            print(mode, depth, sorted(collections.Counter(kernels).items()))
+
+
+if __name__ == "__main__":
+    main()
