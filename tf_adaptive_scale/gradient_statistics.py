@@ -141,12 +141,17 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
     flat = _flat_values(tensors)
     sampled = [_strided_sample(f, sample) for f in flat]
     counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
-    counts = [c * weight for c, (_, weight) in zip(counts, sampled)]
-    for i, (t, (_, weight)) in enumerate(zip(tensors, sampled)):
-        if weight == 1.0 and sparse.is_sparse(t):  # every row: its norm is of its rows summed
-            summed = ops.reshape(sparse.values(sparse.summed(t)), (-1,))
-            squares = ops.sum(_of_finite(ops.square, summed))
-            counts[i] = ops.concatenate([counts[i][:_SQUARES], ops.reshape(squares, (1,))])
+    weights = np.array([weight for _, weight in sampled], "float32")
+    counts = counts * weights[:, None]
+    exact = [i for i, (t, (_, weight)) in enumerate(zip(tensors, sampled))
+             if weight == 1.0 and sparse.is_sparse(t)]
+    if exact:  # every row: a sparse gradient's norm is of its rows summed
+        summed = [ops.reshape(sparse.values(sparse.summed(tensors[i])), (-1,)) for i in exact]
+        squares = ops.scatter_update(
+            counts[:, _SQUARES], [[i] for i in exact],
+            ops.stack([ops.sum(_of_finite(ops.square, s)) for s in summed]),
+        )
+        counts = ops.concatenate([counts[:, :_SQUARES], squares[:, None]], axis=1)
     counts = _per_group(ops.segment_sum, counts, groups, num_groups)
     non_finite = counts[:, _NON_FINITE_BIN]
     if sample is None:
@@ -226,28 +231,32 @@ def _flat_values(tensors):
 
 
 def _counts_per_tensor(flat, log2_scale):
-    """`_bin_counts` of each 1-D tensor of `flat`, a row each, in order.
+    """`_bin_counts` of each 1-D tensor of `flat`: one matrix, a row each,
+    in order.
 
     A segment sum per large tensor, one over all small ones concatenated.
     One over everything made the compiled step slower (7x on an MLP's 1.5M
     gradient values), one per tensor made its program, and its compile
-    time, grow by dozens of instructions per variable.
+    time, grow by dozens of instructions per variable. The rows stay one
+    matrix: split into a row per tensor, each was a kernel of its own.
     """
     small = [i for i, f in enumerate(flat) if (f.shape[0] or _SMALL) < _SMALL]
-    rows = {}
+    large = [i for i in range(len(flat)) if i not in small]
+    parts = []
     if small:
-        counts = _bin_counts(
+        parts.append(_bin_counts(
             ops.concatenate([flat[i] for i in small]),
             ops.concatenate(
                 [ops.zeros_like(flat[i], "int32") + row for row, i in enumerate(small)]
             ),
             len(small), log2_scale,
-        )
-        rows.update(zip(small, ops.unstack(counts)))
-    for i, f in enumerate(flat):
-        if i not in rows:
-            rows[i] = _bin_counts(f, 0, 1, log2_scale)[0]
-    return [rows[i] for i in range(len(flat))]
+        ))
+    parts += [_bin_counts(flat[i], 0, 1, log2_scale) for i in large]
+    counts = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
+    order = small + large
+    if order != sorted(order):
+        counts = ops.take(counts, np.argsort(order), axis=0)
+    return counts
 
 
 def _of_finite(fn, values):
