@@ -16,7 +16,8 @@ tf.config.set_logical_device_configuration(
 )
 
 import keras  # noqa: E402
-from test_fit_accumulation import BATCH, LR, embedding_model, padded  # noqa: E402
+from helpers import masked_sequence_model, padded_sequences  # noqa: E402
+from test_fit_accumulation import BATCH, LR  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
 
@@ -34,8 +35,8 @@ def relative_error(update, reference):
 
 def main():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    x, y = padded(BATCH * K)
-    single = embedding_model()
+    x, y = padded_sequences(BATCH * K)
+    single = masked_sequence_model()
     start = single.get_weights()
     single.compile(keras.optimizers.SGD(LR), loss=LOSS)
     single.fit(x, y, batch_size=BATCH * K, shuffle=False, verbose=0)
@@ -43,7 +44,7 @@ def main():
     results = {}
     for wrap in (False, True):
         with strategy.scope():
-            model = embedding_model()
+            model = masked_sequence_model()
             model.set_weights(start)
             trained = tas.exact_accumulation(model) if wrap else model
             trained.compile(tas.AdaptiveLossScaleOptimizer(
@@ -52,7 +53,7 @@ def main():
         results["fit_wrapped" if wrap else "fit_plain"] = relative_error(
             flat_change(model, start), reference)
     with strategy.scope():
-        model = embedding_model()
+        model = masked_sequence_model()
         model.set_weights(start)
         optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), scaling="none")
     step = tas.make_train_step(model, LOSS, optimizer, accumulation_steps=K,

@@ -327,6 +327,26 @@ def stepper(optimizer, variables, jit=True):
     return step
 
 
+def padded_sequences(n, seed=0, vocab=20, length=12, classes=5):
+    """`n` token sequences padded with 0, of bucketed lengths (sorted, so
+    that consecutive batches hold very different token counts), and a class
+    per token."""
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(rng.integers(1, length + 1, n))[::-1]
+    x = np.zeros((n, length), "int32")
+    for row, count in enumerate(lengths):
+        x[row, :count] = rng.integers(1, vocab, count)
+    return x, rng.integers(0, classes, (n, length)).astype("int32")
+
+
+def masked_sequence_model(seed=1, vocab=20, length=12, classes=5):
+    """`Embedding(mask_zero=True)` and two Dense layers per token: a loss
+    on its output averages over the valid tokens."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((length,), dtype="int32")
+    h = layers.Embedding(vocab, 8, mask_zero=True)(inputs)
+    return keras.Model(inputs, layers.Dense(classes)(layers.Dense(8, activation="tanh")(h)))
+
 def conv_net():
     """A small float16 convolutional model (sets `mixed_float16`), a batch
     and mse targets."""

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import masked_sequence_model, padded_sequences
 from keras import layers
 
 import tf_adaptive_scale as tas
@@ -20,29 +21,15 @@ BATCH = 32
 STEPS = [1, 4, 7]
 
 
-def token_batch(seed=0, vocab=20, length=12):
-    """Bucketed lengths: micro-batches hold very different token counts."""
-    rng = np.random.default_rng(seed)
-    lengths = np.sort(rng.integers(1, length + 1, BATCH))[::-1]
-    x = np.zeros((BATCH, length), "int32")
-    for row, n in enumerate(lengths):
-        x[row, :n] = rng.integers(1, vocab, n)
-    y = rng.integers(0, 5, (BATCH, length)).astype("int32")
-    return x, y
-
-
 def embedding_problem():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((12,), dtype="int32")
-    h = layers.Embedding(20, 8, mask_zero=True)(inputs)
-    outputs = layers.Dense(5)(layers.Dense(8, activation="tanh")(h))
-    x, y = token_batch()
-    return keras.Model(inputs, outputs), keras.losses.SparseCategoricalCrossentropy(), x, y, None
+    x, y = padded_sequences(BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    return masked_sequence_model(), loss, x, y, None
 
 
 def masking_problem():
     keras.utils.set_random_seed(2)
-    x, _ = token_batch(seed=1)
+    x, _ = padded_sequences(BATCH, seed=1)
     features = np.repeat(x[..., None].astype("float32") / 20.0, 3, axis=-1)
     y = np.random.default_rng(3).normal(size=(BATCH, 12, 2)).astype("float32")
     inputs = keras.Input((12, 3))
@@ -128,7 +115,7 @@ def test_several_outputs_with_a_mask_are_refused():
     inputs = keras.Input((12,), dtype="int32")
     h = layers.Embedding(20, 8, mask_zero=True)(inputs)
     model = keras.Model(inputs, [layers.Dense(5)(h), layers.Dense(5)(h)])
-    x, y = token_batch()
+    x, y = padded_sequences(BATCH)
     optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), scaling="none")
     step = tas.make_train_step(model, "sparse_categorical_crossentropy", optimizer,
                                accumulation_steps=4, jit_compile=False)

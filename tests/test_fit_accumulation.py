@@ -13,30 +13,13 @@ import os
 import keras
 import numpy as np
 import pytest
-from helpers import TESTS
+from helpers import TESTS, masked_sequence_model, padded_sequences
 from keras import layers
 
 import tf_adaptive_scale as tas
 
 LR = 0.5
 BATCH = 8
-
-
-def padded(n, seed=0, vocab=20, length=12):
-    """Bucketed lengths: each batch of `BATCH` holds its own token count."""
-    rng = np.random.default_rng(seed)
-    lengths = np.sort(rng.integers(1, length + 1, n))[::-1]
-    x = np.zeros((n, length), "int32")
-    for row, count in enumerate(lengths):
-        x[row, :count] = rng.integers(1, vocab, count)
-    return x, rng.integers(0, 5, (n, length)).astype("int32")
-
-
-def embedding_model():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((12,), dtype="int32")
-    h = layers.Embedding(20, 8, mask_zero=True)(inputs)
-    return keras.Model(inputs, layers.Dense(5)(layers.Dense(8, activation="tanh")(h)))
 
 
 def masking_model():
@@ -56,10 +39,10 @@ def problem(name, n):
     """`(model, loss, fit keyword arguments)` for `n` samples."""
     rng = np.random.default_rng(4)
     if name == "embedding_mask_zero":
-        x, y = padded(n)
-        return embedding_model(), "sparse_categorical_crossentropy", dict(x=x, y=y)
+        x, y = padded_sequences(n)
+        return masked_sequence_model(), "sparse_categorical_crossentropy", dict(x=x, y=y)
     if name == "masking":
-        x, _ = padded(n, seed=1)
+        x, _ = padded_sequences(n, seed=1)
         features = np.repeat(x[..., None].astype("float32") / 20.0, 3, axis=-1)
         y = rng.normal(size=(n, 12, 2)).astype("float32")
         return masking_model(), "mse", dict(x=features, y=y)
@@ -131,8 +114,8 @@ def test_bad_models_are_refused():
 
 
 def test_the_wrapper_saves_and_loads(tmp_path):
-    model = tas.exact_accumulation(embedding_model())
-    x, y = padded(16)
+    model = tas.exact_accumulation(masked_sequence_model())
+    x, y = padded_sequences(16)
     model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), scaling="none",
                                                  accumulation_steps=2),
                   loss="sparse_categorical_crossentropy")
@@ -147,10 +130,10 @@ def test_the_wrapper_saves_and_loads(tmp_path):
 
 def test_under_mixed_float16_the_window_matches_float32(float16_policy):
     """The normaliser arrives scaled with the loss and is unscaled with it."""
-    x, y = padded(BATCH * 4)
-    model = embedding_model()
+    x, y = padded_sequences(BATCH * 4)
+    model = masked_sequence_model()
     keras.mixed_precision.set_global_policy("float32")
-    twin = embedding_model()
+    twin = masked_sequence_model()
     twin.set_weights(model.get_weights())
     reference = fit_update(twin, keras.optimizers.SGD(LR), "sparse_categorical_crossentropy",
                            dict(x=x, y=y), BATCH * 4)
