@@ -9,6 +9,7 @@ from keras import ops
 
 from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import loss_normaliser
+from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import validation
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
@@ -176,28 +177,36 @@ class _TrainStep:
         variables = self.model.trainable_variables
         grads, loss, normaliser = self._gradient_fn(x, y, sample_weight)
         batch = ops.cast(_batch_size(x), "float32")
-        local_normaliser = normaliser
         if self._distributed:
             # Only an empty global batch is skipped: a replica's shard of a
             # short one may be empty alone.
-            context = tf.distribute.get_replica_context()
-            batch = context.all_reduce("sum", batch)
-            # The replicas' gradients are summed, each of a mean that Keras
-            # divided by the replica count: the global normaliser divides.
-            normaliser = context.all_reduce("sum", normaliser) / context.num_replicas_in_sync
-        grads = [g if statistics else ops.divide_no_nan(g, normaliser)
-                 for g, statistics in zip(grads, self._is_statistics)]
-        loss = ops.divide_no_nan(loss, local_normaliser)
+            batch = tf.distribute.get_replica_context().all_reduce("sum", batch)
+        if normaliser is not None:  # weighed by it: divided by the sum
+            grads, loss = self._normalised(grads, loss, normaliser)
         # An empty batch has zero gradients, which Adam's momentum would still
         # apply: a non-finite loss makes the optimizer skip the step instead.
         self.optimizer.observe_loss(ops.where(batch > 0, loss, float("nan")))
         self.optimizer.apply(grads, variables)
         return self._logs(loss)
 
+    def _normalised(self, grads, loss, normaliser):
+        """The weighed sums divided by the sum of the weights: under a
+        strategy the global one (the replicas' gradients are summed, each
+        of a mean that Keras divided by the replica count)."""
+        local = normaliser
+        context = tf.distribute.get_replica_context()
+        if self._distributed:
+            normaliser = context.all_reduce("sum", normaliser) / context.num_replicas_in_sync
+        grads = [
+            g if statistics else sparse.map_values(lambda v: ops.divide_no_nan(v, normaliser), g)
+            for g, statistics in zip(grads, self._is_statistics)
+        ]
+        return grads, ops.divide_no_nan(loss, local)
+
     def _gradients(self, x, y, sample_weight):
-        """The window's gradients and loss, each micro-batch's weighted by
-        its normaliser, and the sum of those normalisers (which divides
-        both)."""
+        """The window's gradients and loss, each micro-batch's weighed by
+        its normaliser where the loss's depends on the data, and the sum of
+        those normalisers (which divides both; None where none is)."""
         k = self.accumulation_steps
         if k == 1:
             return self._micro_batch(x, y, sample_weight, 1.0)
@@ -215,7 +224,7 @@ class _TrainStep:
             ops.zeros((), "float32"),
             ops.zeros((), "float32"),
         )
-        start = 0
+        start, weighed = 0, []
         for count, length in ((rest, size + 1), (k - rest, size)):
             if static and count * length == 0:
                 continue  # nothing to run, so nothing to trace
@@ -231,19 +240,22 @@ class _TrainStep:
                     *_map(lambda t: t[i], group), share
                 )
                 summed, total, normalisers = carry
+                weighed.append(normaliser is not None)  # known when traced
                 return [
                     gradient_window.accumulate(a, g, statistics)
                     for a, g, statistics in zip(summed, grads, self._is_statistics)
-                ], total + loss, normalisers + normaliser
+                ], total + loss, normalisers + (share if normaliser is None else normaliser)
 
             # A micro-batch of no samples (a batch smaller than k) is not run.
             carry = ops.fori_loop(0, ops.where(length > 0, count, 0), body, carry)
-        return carry
+        summed, total, normalisers = carry
+        return summed, total, normalisers if any(weighed) else None
 
     def _micro_batch(self, x, y, sample_weight, share):
-        """One micro-batch's gradients and loss, times its weight, and its
-        normaliser: `(grads * w, loss * w, n)`, where the window divides by
-        the sum of the `n`."""
+        """One micro-batch's gradients and loss and, where its loss's
+        normaliser depends on the data, that normaliser `n`: then gradients
+        and loss are weighed, times `n / share`, and the window divides by
+        the sum of the `n` (else `n` is None)."""
         variables = self.model.trainable_variables
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         with tf.GradientTape() as tape:
@@ -260,16 +272,17 @@ class _TrainStep:
             # cannot run in a loop or a nested function).
             scaled = loss * self.optimizer.loss_scale
         grads = tape.gradient(scaled, variables)
+        grads = [ops.zeros_like(v) if g is None else ops.convert_to_tensor(g)
+                 for g, v in zip(grads, variables)]
+        if normaliser is None:
+            return grads, loss * replicas, None
         # The backward pass ran at the share of the samples (the float16
-        # magnitudes of one step on the whole batch); the float32 sums weigh
-        # by the normaliser instead. Statistics are not weighed.
-        weight = 1.0 if normaliser is None else normaliser / share
-        normaliser = ops.cast(share, "float32") if normaliser is None else normaliser
-        # Dense: the window's sums are (an embedding's gradient too).
+        # magnitudes of one step on the whole batch); the float32 gradients
+        # weigh by the normaliser instead. Statistics are not weighed.
+        weight = normaliser / share
         return [
-            ops.zeros_like(v) if g is None
-            else tf.convert_to_tensor(g) * (1.0 if statistics else weight)
-            for g, v, statistics in zip(grads, variables, self._is_statistics)
+            g if statistics else sparse.map_values(lambda v: v * weight, g)
+            for g, statistics in zip(grads, self._is_statistics)
         ], loss * weight * replicas, normaliser
 
     def _total_loss(self, y, y_pred, sample_weight, share):
