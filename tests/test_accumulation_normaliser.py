@@ -121,3 +121,25 @@ def test_several_outputs_with_a_mask_are_refused():
                                accumulation_steps=4, jit_compile=False)
     with pytest.raises(ValueError, match="accumulation_steps=4 with 2 outputs"):
         step(x, [y, y])
+
+
+@pytest.mark.parametrize("mask_zero", [True, False], ids=["masked", "unmasked"])
+def test_one_micro_batch_keeps_an_embedding_gradient_sparse(mask_zero):
+    """Weighing by the normaliser maps a sparse gradient's values: at
+    `accumulation_steps=1` the embedding's reaches `apply` sparse."""
+    inputs = keras.Input((12,), dtype="int32")
+    h = layers.Embedding(20, 8, mask_zero=mask_zero)(inputs)
+    model = keras.Model(inputs, layers.Dense(5)(h))
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR), scaling="none")
+    received = []
+    apply = optimizer.apply
+
+    def recording_apply(grads, variables=None):
+        received.append(type(grads[0]))
+        return apply(grads, variables)
+
+    optimizer.apply = recording_apply
+    step = tas.make_train_step(model, "sparse_categorical_crossentropy", optimizer,
+                               jit_compile=False)
+    step(*padded_sequences(BATCH))
+    assert received == [tf.IndexedSlices]
