@@ -11,6 +11,7 @@ from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import loss_normaliser
 from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import validation
+from tf_adaptive_scale.distribution import replica_weight
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 
 
@@ -190,18 +191,16 @@ class _TrainStep:
         return self._logs(loss)
 
     def _normalised(self, grads, loss, normaliser):
-        """The weighed sums divided by the sum of the weights: under a
-        strategy the global one (the replicas' gradients are summed, each
-        of a mean that Keras divided by the replica count)."""
-        local = normaliser
-        context = tf.distribute.get_replica_context()
-        if self._distributed:
-            normaliser = context.all_reduce("sum", normaliser) / context.num_replicas_in_sync
+        """The weighed sums divided by the sum of the weights: the loss by
+        this replica's, the gradients by the global one (`replica_weight`:
+        the replicas' gradients are summed, each of a mean that Keras
+        divided by the replica count)."""
+        factor = ops.divide_no_nan(replica_weight(normaliser), normaliser)
         grads = [
-            g if statistics else sparse.map_values(lambda v: ops.divide_no_nan(v, normaliser), g)
+            g if statistics else sparse.map_values(lambda v: v * factor, g)
             for g, statistics in zip(grads, self._is_statistics)
         ]
-        return grads, ops.divide_no_nan(loss, local)
+        return grads, ops.divide_no_nan(loss, normaliser)
 
     def _gradients(self, x, y, sample_weight):
         """The window's gradients and loss, each micro-batch's weighed by
