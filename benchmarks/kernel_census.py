@@ -15,7 +15,6 @@ excess has slope 0.
 import argparse
 import collections
 import os
-import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,33 +22,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
+from helpers import census_mlp as mlp  # noqa: E402
 from helpers import optimized_fit_program  # noqa: E402
+from helpers import top_level_kernels  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
-
-NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-
-
-def top_level_kernels(hlo):
-    """The opcodes of the optimized entry computation's kernels."""
-    entry = hlo[hlo.index("ENTRY"):]
-    entry = entry[: entry.index("\n}")]
-    opcodes = re.findall(r"= \S+ ([a-z\-]+)\(", entry)
-    return [op for op in opcodes if op not in NOT_KERNELS]
-
-
-def mlp(depth, width=64):
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((width,))]
-        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-        + [keras.layers.Dense(10)]
-    )
-    x = np.random.default_rng(0).standard_normal((32, width)).astype("float32")
-    return model, x, np.ones((32, 10), "float32")
-
 
 MODES = {
     "stock": lambda model: (model, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())),

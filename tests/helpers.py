@@ -11,6 +11,7 @@ first, so float32 and mixed_float16 twins share their initial weights
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -379,6 +380,33 @@ def optimized_fit_program(model, optimizer, x, y, loss="mse"):
     # a first `train_on_batch` would compile the same step twice).
     step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
     return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+
+
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def top_level_kernels(hlo):
+    """The opcodes of an optimized HLO module's top-level kernels: the
+    instructions of its entry computation other than parameters,
+    constants, tuples and bitcasts (one launch each on a GPU)."""
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    return [op for op in re.findall(r"= \S+ ([a-z\-]+)\(", entry) if op not in _NOT_KERNELS]
+
+
+def census_mlp(depth, width=64):
+    """The kernel census's MLP (`benchmarks/kernel_census.py`): `depth`
+    ReLU layers of `width` units and a 10-unit head, under mixed_float16,
+    with a batch of 32."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+        + [keras.layers.Dense(10)]
+    )
+    x = np.random.default_rng(0).standard_normal((32, width)).astype("float32")
+    return model, x, np.ones((32, 10), "float32")
 
 
 # ----------------------------------------------------- child processes

@@ -14,6 +14,7 @@ import json
 
 import keras
 import numpy as np
+import pytest
 
 import tf_adaptive_scale as tas
 from helpers import (
@@ -156,3 +157,45 @@ def test_no_global_scale_reaches_a_gradient_below_two_to_the_minus_30():
     # 2**-16 ... 2**16 blind), applying nothing.
     assert int(opt.skipped_steps) == 7 and int(opt.iterations) == 0
     np.testing.assert_array_equal(applied[0], 0.0)  # lost to float16
+
+
+def test_a_jax_embedding_whose_batches_use_20_ids(float16_policy):
+    """Keras on JAX gives an Embedding a dense gradient: the 2048-value
+    sample read about one value in each of 2048 evenly spaced rows of a
+    50,000-row table, so a batch using ids 1-20 read as all zero (norm 0 in
+    every report, the monitor flagging the learning table `never_updates`).
+    The recorded norm is within 10% of float32's, and nothing is flagged."""
+    import jax
+
+    def build(dtype=None):
+        return keras.Sequential([
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(50_000, 16, name="embedding", dtype=dtype),
+            keras.layers.GlobalAveragePooling1D(dtype=dtype),
+            keras.layers.Dense(1, name="head", dtype=dtype),
+        ])
+
+    keras.utils.set_random_seed(0)
+    model, reference = build(), build("float32")
+    reference.set_weights(model.get_weights())
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 21, (32, 8)).astype("int32")
+    y = rng.standard_normal((32, 1)).astype("float32")
+    # A zero learning rate keeps the weights, so every step's gradient is
+    # the reference's.
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), update_every=1)
+    model.compile(optimizer, "mse")
+    monitor = tas.ScaleMonitor(every_n_steps=1, patience=2, verbose=0)
+    model.fit(x, y, batch_size=32, epochs=4, callbacks=[monitor], verbose=0)
+
+    def loss(trainable):
+        out, _ = reference.stateless_call(trainable, [], x)
+        return keras.ops.mean(keras.losses.mean_squared_error(y, out))
+
+    exact = jax.grad(loss)([v.value for v in reference.trainable_variables])[0]
+    recorded = float(optimizer.variable_gradient_norms.numpy()[0])
+    assert recorded == pytest.approx(float(np.linalg.norm(np.asarray(exact))), rel=0.1)
+    assert [f for f in monitor.flags if f["kind"] == "never_updates"] == []
+    layers = monitor.records[-1]["layers"]
+    (table,) = [name for name in layers if name.endswith("embedding")]
+    assert layers[table]["grad_norm"] > 0

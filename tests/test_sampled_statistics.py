@@ -147,3 +147,31 @@ def test_the_recorded_norm_of_a_2048_to_5_head(float16_policy):
     exact = float(tf.norm(tape.gradient(value, twin.trainable_variables[0])))
     recorded = float(optimizer.variable_gradient_norms.numpy()[0])
     assert recorded == pytest.approx(exact, rel=0.1)
+
+
+def sparse_rows_gradient(rows=50_000, width=16, used=20, seed=0):
+    """A dense embedding-table gradient (as Keras on JAX gives): rows 1 to
+    `used` of `rows` hold values, the rest are zero."""
+    rng = np.random.default_rng(seed)
+    gradient = np.zeros((rows, width), "float32")
+    gradient[1 : used + 1] = rng.standard_normal((used, width)).astype("float32") * 1e-3
+    return gradient
+
+
+def test_a_dense_table_whose_used_rows_the_strided_sample_misses():
+    """The strided sample reads about one value in each of 2048 rows of a
+    50,000-row table: the 20 rows a batch used read as all zero (norm 0,
+    the whole table underflowed). The norm and zeros are exact, and the
+    histogram is of the rows holding the largest values."""
+    gradient = sparse_rows_gradient()
+    strided, _ = stats._strided_sample(ops.reshape(ops.array(gradient), (-1,)),
+                                       stats.VARIABLE_SAMPLE)
+    assert not np.any(np.asarray(strided))  # what the sample alone saw
+    exact = stats.grouped_statistics([ops.array(gradient)], [0], 1)
+    sampled = stats.grouped_statistics([ops.array(gradient)], [0], 1,
+                                       sample=stats.VARIABLE_SAMPLE)
+    assert float(sampled.squares[0]) == pytest.approx(float(exact.squares[0]), rel=1e-5)
+    assert float(sampled.zeros[0]) == float(exact.zeros[0]) == gradient.size - 20 * 16
+    np.testing.assert_allclose(np.asarray(sampled.histograms[0]),
+                               np.asarray(exact.histograms[0]), atol=1e-3)
+    assert float(sampled.max_abs[0]) == float(exact.max_abs[0])

@@ -85,6 +85,22 @@ class GroupStatistics(typing.NamedTuple):
     zeros: typing.Any
     non_finite: typing.Any
     squares: typing.Any
+    # `(groups, _SQUARES + 1)`: the histograms, zeros, sampled non-finite
+    # counts and squares, as one matrix (`total` sums it in one reduction).
+    counts: typing.Any
+
+    def total(self):
+        """All groups as one, each field without its group axis: counts
+        and squares summed, the largest peak, and the largest `non_finite`
+        (nonzero where any group's is), in two reductions over the groups
+        whatever their number."""
+        summed = ops.sum(self.counts, axis=0)
+        max_abs, non_finite = ops.unstack(
+            ops.max(ops.stack([self.max_abs, self.non_finite], axis=1), axis=0))
+        return GroupStatistics(
+            histograms=summed[:NUM_BINS], max_abs=max_abs, zeros=summed[_ZERO_BIN],
+            non_finite=non_finite, squares=summed[_SQUARES], counts=summed[None],
+        )
 
 
 def exponent_histogram(tensors, log2_scale=0.0):
@@ -140,9 +156,15 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
     """
     flat = _flat_values(tensors)
     sampled = [_strided_sample(f, sample) for f in flat]
+    tall = [i for i, t in enumerate(tensors) if _is_tall(t, sample)]
+    # A tall tensor's rows outnumber the sample: a second sample from the
+    # rows holding its largest values, counted in rows after the others'.
+    sampled += [_strided_sample(_top_rows(tensors[i], sample), sample) for i in tall]
     counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
     weights = np.array([weight for _, weight in sampled], "float32")
     counts = counts * weights[:, None]
+    if tall:
+        counts = _with_tall_rows(counts, tensors, tall)
     exact = [i for i, (t, (_, weight)) in enumerate(zip(tensors, sampled))
              if weight == 1.0 and sparse.is_sparse(t)]
     if exact:  # every row: a sparse gradient's norm is of its rows summed
@@ -167,7 +189,52 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         zeros=counts[:, _ZERO_BIN],
         non_finite=non_finite,
         squares=counts[:, _SQUARES],
+        counts=counts,
     )
+
+
+def _is_tall(tensor, size):
+    """Whether `tensor` is a dense gradient with more rows than a sample of
+    `size` values reads (an embedding table's, say): the sample can miss
+    every row that holds gradient."""
+    shape = tuple(tensor.shape)
+    return (size is not None and not sparse.is_sparse(tensor) and len(shape) >= 2
+            and None not in shape and shape[0] > size)
+
+
+def _top_rows(tensor, size):
+    """The values of the rows of `tensor` holding its largest finite
+    values, `size` values' worth (at least one row), as a 1-D tensor."""
+    rows = tensor.shape[0]
+    matrix = ops.reshape(tensor, (rows, -1))
+    taken = max(1, min(rows, size // matrix.shape[1]))
+    peaks = ops.max(_of_finite(ops.abs, matrix), axis=1)
+    _, index = ops.top_k(peaks, taken)
+    return ops.reshape(ops.take(matrix, index, axis=0), (-1,))
+
+
+def _with_tall_rows(counts, tensors, tall):
+    """`counts` (a row per tensor, then one per tall tensor's top rows) with
+    each tall tensor's zeros, non-finite count and squares exact (one
+    reduction over it), and its histogram that of its strided sample, or of
+    its top rows where the strided one saw no nonzero value, scaled to its
+    exact number of nonzero finite values; the top rows' rows dropped."""
+    fixed = []
+    for j, i in enumerate(tall):
+        values = ops.cast(tensors[i], "float32")
+        finite = ops.isfinite(values)
+        exact = ops.stack([
+            ops.sum(ops.cast(ops.equal(values, 0.0), "float32")),
+            ops.sum(ops.cast(ops.logical_not(finite), "float32")),
+            ops.sum(ops.where(finite, ops.square(values), 0.0)),
+        ])
+        strided, top = counts[i, :NUM_BINS], counts[len(tensors) + j, :NUM_BINS]
+        histogram = ops.where(ops.sum(strided) > 0, strided, top)
+        nonzero = float(np.prod(tensors[i].shape)) - exact[0] - exact[1]
+        histogram = histogram * nonzero / ops.maximum(ops.sum(histogram), 1.0)
+        fixed.append(ops.concatenate([histogram, exact]))
+    rows = [tall.index(i) + len(tensors) if i in tall else i for i in range(len(tensors))]
+    return ops.take(ops.concatenate([counts[: len(tensors)], ops.stack(fixed)]), rows, axis=0)
 
 
 def _strided_sample(flat, size):
@@ -244,19 +311,30 @@ def _counts_per_tensor(flat, log2_scale):
     large = [i for i in range(len(flat)) if i not in small]
     parts = []
     if small:
-        parts.append(_bin_counts(
-            ops.concatenate([flat[i] for i in small]),
-            ops.concatenate(
-                [ops.zeros_like(flat[i], "int32") + row for row, i in enumerate(small)]
-            ),
-            len(small), log2_scale,
-        ))
-    parts += [_bin_counts(flat[i], 0, 1, log2_scale) for i in large]
+        # Bins and squares a few tensors at a time (see `_FUSED_OPERANDS`),
+        # then one segment sum over all.
+        chunks = [small[i:i + _FUSED_OPERANDS] for i in range(0, len(small), _FUSED_OPERANDS)]
+        binned = [_binned(
+            ops.concatenate([flat[i] for i in chunk]) if len(chunk) > 1 else flat[chunk[0]],
+            ops.concatenate([ops.zeros_like(flat[i], "int32") + small.index(i) for i in chunk]),
+            log2_scale,
+        ) for chunk in chunks]
+        parts.append(_bin_counts(*[
+            ops.concatenate(list(column)) if len(binned) > 1 else column[0]
+            for column in zip(*binned)
+        ], len(small)))
+    parts += [_bin_counts(*_binned(flat[i], 0, log2_scale), 1) for i in large]
     counts = parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=0)
     order = small + large
     if order != sorted(order):
         counts = ops.take(counts, np.argsort(order), axis=0)
     return counts
+
+
+# XLA on CPU fuses a concatenation of at most this many operands with their
+# producers (a sample's slice, an unscaling multiply); one of more operands
+# is a kernel of its own, and so is each operand's producer.
+_FUSED_OPERANDS = 8
 
 
 def _of_finite(fn, values):
@@ -279,10 +357,10 @@ def _per_group(segment_reduce, each, groups, num_groups):
     return segment_reduce(each, np.asarray(groups, "int32"), num_segments=num_groups)
 
 
-def _bin_counts(values, owner, rows, log2_scale):
-    """`(rows, _BINS_WITH_EXTRAS + 1)` counts of `values` (1-D) by exponent
-    bin, zero and non-finite, and the sum of squares of the finite ones, in
-    the row `owner` (int tensor or int) says."""
+def _binned(values, owner, log2_scale):
+    """Each value of `values` (1-D)'s segment in `_bin_counts` (its exponent
+    bin, zero or non-finite, in the row `owner` says, an int tensor or int)
+    and its square where finite (0 elsewhere)."""
     values = ops.cast(values, "float32")
     magnitude = ops.abs(values)
     finite = ops.isfinite(magnitude)
@@ -292,21 +370,26 @@ def _bin_counts(values, owner, rows, log2_scale):
     # Zeros and non-finite values are counted in two more bins of the same
     # segment sum, so that they cost no pass (or compiled loop) of their own.
     bins = ops.where(finite, ops.where(counted, bins, _ZERO_BIN), _NON_FINITE_BIN)
+    segments = owner * _BINS_WITH_EXTRAS + bins
+    return segments, ops.where(finite, ops.square(values), 0.0), owner
+
+
+def _bin_counts(segments, squares, owner, rows):
+    """`(rows, _BINS_WITH_EXTRAS + 1)`: counts of values by `_binned`
+    segment, and per row the sum of their squares."""
     # Integer counts: a float32 sum of ones stops growing at 2**24, which a
     # large kernel or activation gradient exceeds.
     counts = ops.segment_sum(
-        ops.ones_like(bins), owner * _BINS_WITH_EXTRAS + bins,
-        num_segments=rows * _BINS_WITH_EXTRAS,
+        ops.ones_like(segments), segments, num_segments=rows * _BINS_WITH_EXTRAS,
     )
-    finite_squares = ops.where(finite, ops.square(values), 0.0)
     if rows == 1:
         # A tree reduction: XLA's segment sum is a sequential scatter on
         # CPU, 5e-4 off float64 over a million values.
-        squares = ops.sum(finite_squares)
+        squares = ops.sum(squares)
     else:
         # One segment sum for every small tensor's squares, not a reduction
         # each (a few thousand values per segment: within 1e-5).
-        squares = ops.segment_sum(finite_squares, owner, num_segments=rows)
+        squares = ops.segment_sum(squares, owner, num_segments=rows)
     return ops.concatenate([
         ops.reshape(ops.cast(counts, "float32"), (rows, _BINS_WITH_EXTRAS)),
         ops.reshape(squares, (rows, 1)),

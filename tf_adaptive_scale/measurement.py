@@ -135,9 +135,8 @@ class Measurement:
         and layouts of their own, and on a GPU waits on the host for its
         predicate.
         """
-        histogram = ops.sum(each.histograms, axis=0)
-        max_abs = ops.max(each.max_abs)
-        zeros = ops.sum(each.zeros)
+        total = each.total()
+        histogram, max_abs, zeros = total.histograms, total.max_abs, total.zeros
         if packed is not None:
             histogram = packed[: float16.NUM_BINS]
             zeros, max_abs = ops.unstack(packed[float16.NUM_BINS :])
@@ -155,7 +154,7 @@ class Measurement:
         write(self.gradient_histogram, histogram)
         write(self.gradient_zeros, zeros)
         write(self.gradient_max, max_abs)
-        write(self.gradient_norm, ops.sqrt(ops.sum(ops.square(norms))))
+        write(self.gradient_norm, ops.sqrt(total.squares))
         write(self.scale_window, ops.stack(
             stats.scale_bounds(self.weights(histogram), max_abs, self.underflow_rate)
         ))

@@ -378,7 +378,7 @@ class AdaptiveLossScaleOptimizer(
         measure = ops.logical_and(scheduled, finite) if regular else _any([])
         applies = finite
         if not steps:  # a step whose gradients all underflowed is not applied as one
-            seen = ops.any(each.max_abs > 0) if regular else _any([])
+            seen = each.total().max_abs > 0 if regular else _any([])
             blind = self._policy.blind(state, measure, seen)
             applies = ops.logical_and(finite, ops.logical_not(blind))
         self._apply_or_skip(applies, applied, transform, apply_fn, clipping_record)
@@ -408,7 +408,11 @@ class AdaptiveLossScaleOptimizer(
             ops.all(ops.isfinite(sparse.values(g)))
             for i, g in enumerate(applied) if i not in regular
         ]
-        finite = ops.logical_and(_all([ops.all(finite_each)] + overwritten), loss_finite)
+        # Without clippers, from the statistics' totals (which XLA computes
+        # once): a reduction over the variables fewer.
+        all_finite = ops.all(finite_each) if self._clippers or not regular \
+            else ops.equal(each.total().non_finite, 0)
+        finite = ops.logical_and(_all([all_finite] + overwritten), loss_finite)
         for step in steps:
             finite = ops.logical_and(finite, step.backward_finite())
         return finite_each, finite
