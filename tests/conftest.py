@@ -30,6 +30,7 @@ ON_JAX = {
     "test_drop_in.py",
     "test_settings.py",
     "test_step_invariants.py",
+    "test_step_programs.py",
 }
 _here = os.path.dirname(__file__)
 if keras.backend.backend() == "tensorflow":

@@ -20,6 +20,7 @@ import numpy as np
 from keras import layers
 
 import tf_adaptive_scale as tas
+from tf_adaptive_scale import step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -363,8 +364,9 @@ def conv_net():
     return model, x, np.ones((4, 2), "float32")
 
 
-def optimized_fit_program(model, optimizer, x, y, loss="mse"):
-    """The optimized XLA program (HLO text) of `model.fit`'s step."""
+def optimized_fit_program(model, optimizer, x, y, loss="mse", measuring=True):
+    """The optimized XLA program (HLO text) of `model.fit`'s step (per
+    layer, its measuring program, or with `measuring=False` its plain one)."""
     model.compile(optimizer, loss, jit_compile=True)
     if JAX:
         import jax
@@ -373,13 +375,15 @@ def optimized_fit_program(model, optimizer, x, y, loss="mse"):
         state = tuple([v.value for v in variables] for variables in (
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables))
-        return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
+        with step_programs.measuring(measuring):
+            return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
     import tensorflow as tf
 
     # Traced once, here (its first trace may create the metrics' variables;
     # a first `train_on_batch` would compile the same step twice).
     step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
-    return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+    with step_programs.measuring(measuring):
+        return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
 
 
 _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}

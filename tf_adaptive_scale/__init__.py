@@ -16,6 +16,8 @@ from tf_adaptive_scale.instrument import instrument
 from tf_adaptive_scale.monitor import ScaleMonitor
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 from tf_adaptive_scale.measurement import SkippedStepsError
+from tf_adaptive_scale.step_programs import measuring
+from tf_adaptive_scale.step_programs import measuring_step
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,8 @@ __all__ = [
     "first_non_finite_layer",
     "instrument",
     "make_train_step",
+    "measuring",
+    "measuring_step",
     "plot_report",
     "clipping",
     "gradient_statistics",

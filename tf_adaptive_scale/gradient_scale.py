@@ -50,6 +50,7 @@ from keras import ops
 from tf_adaptive_scale import backends
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale import step_programs
 from tf_adaptive_scale import validation
 
 OUTPUT_MAX = stats.NUM_BINS
@@ -333,7 +334,8 @@ def _convert(dy, control, statistics_shape, producer, consumer, input_dtype):
     # top-level model never uses them (measuring would compute them for
     # nothing, and an overflow there would skip a step that harms no weight);
     # in a block, the layers they reach have their own checks.
-    if producer == LOSS_UNIT:
+    # ... and a plain program (`step_programs`) measures nothing.
+    if producer == LOSS_UNIT or not step_programs.is_measuring():
         return dx, ops.zeros_like(control), ops.zeros(statistics_shape, "float32")
     standard = keras.backend.standardize_dtype
     rows = _measured_rows(standard(dy.dtype), standard(input_dtype))(

@@ -147,7 +147,7 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
             its share of the tensor, at a cost that does not grow with it.
             The peaks take one exact pass, which also finds non-finite
             values: a tensor holding one has the peak 0 (its step is
-            skipped) and at least one non-finite value.
+            skipped), and `non_finite` counts the tensors holding one.
 
     Returns:
         A `GroupStatistics` of float32 tensors: `histograms`
@@ -180,8 +180,9 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         peaks = _per_group(ops.segment_max, [ops.max(_of_finite(ops.abs, f)) for f in flat],
                            groups, num_groups)
     else:
-        peaks, bad = peaks_and_non_finite(tensors, groups, num_groups)
-        non_finite = ops.maximum(non_finite, bad)
+        # Whether each holds one, exactly, from the peak pass alone: what
+        # the finite check reads needs no sample.
+        peaks, non_finite = peaks_and_non_finite(tensors, groups, num_groups)
     return GroupStatistics(
         histograms=counts[:, :NUM_BINS],
         # An empty group's segment max is the lowest float: no peak is 0.

@@ -6,6 +6,7 @@ from tf_adaptive_scale import backends
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import keras_internals
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale import step_programs
 from tf_adaptive_scale import validation
 
 from tf_adaptive_scale.gradient_scale import LOSS_UNIT
@@ -340,6 +341,26 @@ class InstrumentedModel(keras.Model):
                 "tas.AdaptiveLossScaleOptimizer(..., scaling='per_layer')."
             )
         return super().train_step(*args, **kwargs)
+
+    def make_train_function(self, force=False):
+        """Two programs, measuring and plain (`step_programs`): each call
+        runs the measuring one where one of its steps is due for the
+        optimizer's statistics (every `update_every` steps, counted here),
+        the plain one, with the boundaries' multiplies only, otherwise."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        # Without an optimizer, `train_step` says how to compile for training.
+        every = getattr(self.optimizer, "update_every", 1)
+        schedule = step_programs.Schedule(every, self.steps_per_execution)
+
+        def make():
+            super(InstrumentedModel, self).make_train_function(force=True)
+            program, self.train_function = self.train_function, scheduled
+            return program
+
+        scheduled = step_programs.ScheduledPrograms(make, schedule)
+        self.train_function = scheduled
+        return scheduled
 
     def compile_from_config(self, config):
         # Keras skips this for models whose compile() is overridden.

@@ -9,6 +9,7 @@ from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as boundary
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale import step_programs
 
 
 def layer_log2_scales(statistics, weight_max, underflow_rate, log2_headroom,
@@ -138,7 +139,10 @@ class TableStep:
         self.flags = statistics[
             :, boundary.PRODUCED_NON_FINITE : boundary.RECEIVED_NON_FINITE + 1
         ]
-        self.measured = table.measure.value > 0
+        # A plain program measures nothing: the table's request to measure
+        # stands until a measuring program serves it (see `record`).
+        self.measured = (table.measure.value > 0 if step_programs.is_measuring()
+                         else ops.zeros((), "bool"))
         self._rose_far = False  # set by `advance`
 
     def log2_divisors(self):
@@ -225,7 +229,8 @@ class TableStep:
             scheduled_next: bool, it means the next step to.
             observation: This step's observation.
         """
-        self.table.statistics.assign(self.statistics)
+        if step_programs.is_measuring():  # a plain program's are all zero
+            self.table.statistics.assign(self.statistics)
         # A table the optimizer has not driven before may not have measured.
         missed = scheduled & ~self.measured
         # A unit whose gradient all underflowed rises UNSEEN_STEP binades per

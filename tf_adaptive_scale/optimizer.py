@@ -23,6 +23,7 @@ from tf_adaptive_scale import settings as settings_lib
 from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import step_state
 from tf_adaptive_scale import stock_state
+from tf_adaptive_scale import step_programs
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -376,6 +377,8 @@ class AdaptiveLossScaleOptimizer(
         scheduled = ops.equal(state.steps_to_measure, 0)
         # Only variables overwritten with their gradients: nothing to measure.
         measure = ops.logical_and(scheduled, finite) if regular else _any([])
+        if steps and not step_programs.is_measuring():  # a per-layer plain program
+            measure = _any([])
         applies = finite
         if not steps:  # a step whose gradients all underflowed is not applied as one
             seen = each.total().max_abs > 0 if regular else _any([])

@@ -3,6 +3,8 @@
 TensorFlow-specific: `tf.function`, XLA and `tf.distribute`.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -10,6 +12,7 @@ from keras import ops
 from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import loss_normaliser
 from tf_adaptive_scale import sparse_gradients as sparse
+from tf_adaptive_scale import step_programs
 from tf_adaptive_scale import validation
 from tf_adaptive_scale.distribution import replica_weight
 from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
@@ -117,38 +120,42 @@ class _TrainStep:
         self._tables = [
             v.scale_table for v in model.trainable_variables if hasattr(v, "scale_table")
         ]
-        self._gradient_fn, self._function = self._compile(jit_compile)
+        # Per layer, two programs: one for the steps the optimizer measures
+        # (every `update_every`, counted here), one for the others.
+        self._programs = step_programs.ScheduledPrograms(
+            functools.partial(self._compile, jit_compile),
+            step_programs.Schedule(optimizer.update_every if self._tables else 1),
+        )
 
     def _compile(self, jit_compile):
-        """`(gradient_fn, step_fn)`: what computes a window's gradients, and
-        the traced step `__call__` runs."""
+        """A new traced step: what `__call__` runs."""
         if not self._distributed:
-            return self._gradients, tf.function(
-                self._replica_step, jit_compile=jit_compile, autograph=False
-            )
+            return tf.function(functools.partial(self._replica_step, self._gradients),
+                               jit_compile=jit_compile, autograph=False)
         # The optimizer's cross-replica step cannot run inside XLA.
-        return (
-            tf.function(self._gradients, jit_compile=jit_compile, autograph=False),
-            tf.function(self._distributed_step, autograph=False),
-        )
+        gradients = tf.function(self._gradients, jit_compile=jit_compile, autograph=False)
+        return tf.function(functools.partial(self._distributed_step, gradients),
+                           autograph=False)
 
     def __call__(self, x, y, sample_weight=None):
         if self._distributed:
             x, y, sample_weight = (
                 self._distribute(t) for t in (x, y, sample_weight)
             )
-        return self._function(x, y, sample_weight)
+        return self._programs(x, y, sample_weight)
 
-    def compiled_program(self, x, y, sample_weight=None):
+    def compiled_program(self, x, y, sample_weight=None, measuring=True):
         """The optimized XLA program (HLO text) of the step for these
-        inputs, as XLA compiles it (`jit_compile=True`, no strategy)."""
-        return self._function.experimental_get_compiler_ir(x, y, sample_weight)(
-            stage="optimized_hlo"
-        )
+        inputs, as XLA compiles it (`jit_compile=True`, no strategy); per
+        layer, of the measuring program or (`measuring=False`) the plain one."""
+        with step_programs.measuring(measuring):
+            return self._programs.program(measuring).experimental_get_compiler_ir(
+                x, y, sample_weight)(stage="optimized_hlo")
 
     def tracing_count(self):
-        """How many times the step has been traced."""
-        return self._function.experimental_get_tracing_count()
+        """How many times the step has been traced (per layer, both
+        programs together)."""
+        return sum(p.experimental_get_tracing_count() for p in self._programs.programs.values())
 
     def _distribute(self, value):
         """Splits a global batch of plain tensors evenly over the replicas."""
@@ -162,8 +169,9 @@ class _TrainStep:
             )
         )
 
-    def _distributed_step(self, x, y, sample_weight):
-        logs = self.strategy.run(self._replica_step, args=(x, y, sample_weight))
+    def _distributed_step(self, gradient_fn, x, y, sample_weight):
+        logs = self.strategy.run(functools.partial(self._replica_step, gradient_fn),
+                                 args=(x, y, sample_weight))
         loss = self.strategy.reduce(
             tf.distribute.ReduceOp.MEAN, logs.pop("loss"), axis=None
         )
@@ -174,9 +182,9 @@ class _TrainStep:
         }
         return {"loss": loss, **logs}
 
-    def _replica_step(self, x, y, sample_weight):
+    def _replica_step(self, gradient_fn, x, y, sample_weight):
         variables = self.model.trainable_variables
-        grads, loss, normaliser = self._gradient_fn(x, y, sample_weight)
+        grads, loss, normaliser = gradient_fn(x, y, sample_weight)
         batch = ops.cast(_batch_size(x), "float32")
         if self._distributed:
             # Only an empty global batch is skipped: a replica's shard of a

@@ -1,0 +1,131 @@
+"""Two compiled programs for a per-layer step: measuring and plain.
+
+A per-layer step takes the statistics of every activation gradient at its
+boundaries (`gradient_scale`) only on the steps its optimizer measures,
+every `update_every`; every other step needs only the boundaries'
+multiplies. The statistics are left out of a program, not skipped inside
+it: a conditional in the compiled step waits on the host on a GPU, and a
+select computes both sides. So a training loop traces two programs, the
+measuring one and the plain one, and chooses one per call on the host from
+a step count it keeps itself: nothing is read back from the device.
+
+- `measuring(flag)`: steps traced inside take the statistics (True, also
+  the default outside any) or leave them out (False).
+- `Schedule`: which calls measure.
+- `ScheduledPrograms`: a step callable that runs the program a call needs,
+  each traced on its first use (the first step compiles one program).
+
+The optimizer decides on the device which steps of a measuring call measure
+(on schedule, and sooner after an overflow or while a unit's scale rises
+blind): the first calls all measure, for the scales to calibrate; after
+them, a request to measure sooner waits on the device for the next
+measuring call, at most `update_every - 1` steps.
+"""
+
+import contextlib
+import math
+
+from tf_adaptive_scale import float16
+from tf_adaptive_scale import scale_policy
+
+_measuring = [True]
+# The first calls all measure: a unit that sees nothing rises
+# `UNSEEN_STEP` binades per measurement, so that many sweep it from a scale
+# of 1 to the largest per-layer one (2**64), as the optimizer asks.
+CALIBRATION_CALLS = math.ceil(float16.PER_LAYER_MAX_EXPONENT / scale_policy.UNSEEN_STEP)
+
+
+@contextlib.contextmanager
+def measuring(flag):
+    """Steps traced inside take the per-layer statistics (`flag` True) or
+    leave them out (False).
+
+    Args:
+        flag: bool.
+
+    Example:
+
+    >>> @tf.function(jit_compile=True)
+    ... def train_step(x, y, measure):  # a Python bool: a trace each
+    ...     with tas.measuring(measure):
+    ...         ...  # the forward pass, gradients and `optimizer.apply`
+    >>> for step, (x, y) in enumerate(batches):
+    ...     train_step(x, y, tas.measuring_step(step, optimizer.update_every))
+    """
+    _measuring.append(bool(flag))
+    try:
+        yield
+    finally:
+        _measuring.pop()
+
+
+def is_measuring():
+    """Whether the step being traced takes the per-layer statistics."""
+    return _measuring[-1]
+
+
+def measuring_step(step, update_every):
+    """Whether a custom loop's step `step` (counted from 0) runs the
+    measuring program (see `Schedule`).
+
+    Args:
+        step: int, the step's number.
+        update_every: The optimizer's `update_every`.
+
+    Returns:
+        bool.
+    """
+    return step < CALIBRATION_CALLS or step % update_every == 0
+
+
+class Schedule:
+    """Which calls of a compiled step measure, counted on the host.
+
+    The first `CALIBRATION_CALLS` calls measure, then those holding a
+    multiple of `every`.
+
+    Args:
+        every: Steps between two measurements (the optimizer's
+            `update_every`).
+        steps_per_call: Steps one call runs (`steps_per_execution`): a call
+            measures when one of its steps is due, all its steps then
+            taking the statistics.
+    """
+
+    def __init__(self, every, steps_per_call=1):
+        self.every = int(every)
+        self.steps_per_call = int(steps_per_call)
+        self.calls = 0
+
+    def next_call_measures(self):
+        """Whether the next call measures; counts it."""
+        first = self.calls * self.steps_per_call
+        self.calls += 1
+        # Steps from `first` to the next multiple of `every`.
+        return self.calls <= CALIBRATION_CALLS or (-first) % self.every < self.steps_per_call
+
+
+class ScheduledPrograms:
+    """Calls the measuring program or the plain one, as `schedule` says.
+
+    Args:
+        make: `make()`, a new step function (a `tf.function` or a jitted
+            JAX function); traced on its first call, under `measuring`.
+        schedule: A `Schedule`.
+    """
+
+    def __init__(self, make, schedule):
+        self._make = make
+        self.schedule = schedule
+        self.programs = {}
+
+    def program(self, measures):
+        """The measuring (`measures` True) or the plain step function."""
+        if measures not in self.programs:
+            self.programs[measures] = self._make()
+        return self.programs[measures]
+
+    def __call__(self, *args, **kwargs):
+        measures = self.schedule.next_call_measures()
+        with measuring(measures):
+            return self.program(measures)(*args, **kwargs)
