@@ -582,17 +582,17 @@ def test_documented_per_layer_loop_does_not_back_off_on_nan_batches():
     instrumented = tas.instrument(model)
     optimizer = per_layer_optimizer(keras.optimizers.SGD(0.1))
     namespace = {
-        "tf": tf, "instrumented": instrumented, "optimizer": optimizer,
-        "loss_fn": keras.losses.MeanSquaredError(),
+        "tf": tf, "tas": tas, "instrumented": instrumented, "optimizer": optimizer,
+        "loss_fn": keras.losses.MeanSquaredError(), "batches": [],
     }
     exec(_documented_per_layer_loop(), namespace)
     x, y = normal((8, 6)), normal((8, 3), 1)
-    namespace["train_step"](x, y)  # calibrates
+    namespace["train_step"](x, y, True)  # calibrates
     before = instrumented.scale_table.log2_scales.numpy().copy()
     bad = x.copy()
     bad[0, 0] = np.nan
-    for _ in range(10):
-        namespace["train_step"](bad, y)
+    for step in range(1, 11):
+        namespace["train_step"](bad, y, tas.measuring_step(step, optimizer.update_every))
     np.testing.assert_array_equal(instrumented.scale_table.log2_scales.numpy(), before)
     assert int(optimizer.skipped_steps) == 10
 

@@ -21,17 +21,21 @@ from tf_adaptive_scale import step_programs
 
 
 def test_the_schedule_measures_the_first_calls_then_every_nth_step():
-    first = step_programs.CALIBRATION_CALLS
+    first = step_programs.CALIBRATION_STEPS
     assert first == 8  # a blind unit's scale from 1 to 2**64, 2**8 a call
     one = step_programs.Schedule(every=3)
     assert [one.next_call_measures() for _ in range(first + 4)] == (
         [True] * first + [False, True, False, False])  # steps 8 to 11
-    # Two steps a call: steps (16, 17), (18, 19), (20, 21) after the first 8.
+    # Two steps a call: (8, 9), (10, 11), (12, 13) after the first 8.
     two = step_programs.Schedule(every=3, steps_per_call=2)
-    assert [two.next_call_measures() for _ in range(first + 3)] == (
-        [True] * first + [False, True, True])
+    assert [two.next_call_measures() for _ in range(first // 2 + 3)] == (
+        [True] * (first // 2) + [True, False, True])
     assert [tas.measuring_step(s, 3) for s in range(first, first + 4)] == [
         False, True, False, False]
+    # Two micro-batches a step (accumulation), resumed after 16 of them
+    # (8 steps): step 8's micro-batches do not measure, step 9's both do.
+    resumed = step_programs.Schedule(every=3, micro_batches=2, start=lambda: 16)
+    assert [resumed.next_call_measures() for _ in range(4)] == [False, False, True, True]
 
 
 def training(update_every, steps_per_execution=1, steps=12, programs=True):
@@ -79,8 +83,8 @@ def test_the_plain_program_trains_as_the_measuring_one(float16_policy):
 
 
 def test_steps_per_execution_measures_in_calls_holding_a_due_step(float16_policy):
-    # Two steps a call: the first 8 calls (steps 0 to 15) calibrate,
-    # (16, 17) holds no multiple of 3, (18, 19) does.
+    # Two steps a call: the first 4 calls (steps 0 to 7) calibrate, then
+    # (10, 11) and (16, 17) hold no multiple of 3, the others do.
     model, optimizer = training(update_every=3, steps_per_execution=2, steps=20)
     assert sorted(model.train_function.programs) == [False, True]
     assert int(optimizer.measurements) == 7  # steps 0, 3, ..., 18

@@ -342,6 +342,13 @@ class InstrumentedModel(keras.Model):
             )
         return super().train_step(*args, **kwargs)
 
+    def fit(self, *args, **kwargs):
+        """`keras.Model.fit`; the step count that chooses its programs
+        restarts from the optimizer's (which a restore may have set)."""
+        if isinstance(self.train_function, step_programs.ScheduledPrograms):
+            self.train_function.schedule.restart()
+        return super().fit(*args, **kwargs)
+
     def make_train_function(self, force=False):
         """Two programs, measuring and plain (`step_programs`): each call
         runs the measuring one where one of its steps is due for the
@@ -349,9 +356,13 @@ class InstrumentedModel(keras.Model):
         the plain one, with the boundaries' multiplies only, otherwise."""
         if self.train_function is not None and not force:
             return self.train_function
-        # Without an optimizer, `train_step` says how to compile for training.
-        every = getattr(self.optimizer, "update_every", 1)
-        schedule = step_programs.Schedule(every, self.steps_per_execution)
+        optimizer = self.optimizer
+        if not isinstance(optimizer, AdaptiveLossScaleOptimizer):
+            # Without one, `train_step` says how to compile for training.
+            return super().make_train_function(force)
+        schedule = step_programs.Schedule(
+            optimizer.update_every, self.steps_per_execution, optimizer.accumulation_steps,
+            start=optimizer.micro_batches_taken)
 
         def make():
             super(InstrumentedModel, self).make_train_function(force=True)

@@ -229,8 +229,7 @@ class TableStep:
             scheduled_next: bool, it means the next step to.
             observation: This step's observation.
         """
-        if step_programs.is_measuring():  # a plain program's are all zero
-            self.table.statistics.assign(self.statistics)
+        self.table.statistics.assign(self.statistics)
         # A table the optimizer has not driven before may not have measured.
         missed = scheduled & ~self.measured
         # A unit whose gradient all underflowed rises UNSEEN_STEP binades per

@@ -369,6 +369,16 @@ class MeasurementReader:
                 bool(state.last_loss_finite.numpy()), self.stalled_layers(),
             ))
 
+    def micro_batches_taken(self):
+        """Micro-batches taken so far, read on the host: steps (applied and
+        skipped) times `accumulation_steps`, and the open window's. Where a
+        step count kept on the host starts (`step_programs.Schedule`)."""
+        if not self.built:
+            return 0
+        window = getattr(self, "_window", None)
+        open_window = 0 if window is None else int(window.count.numpy())
+        return int(self._step_state.total_steps.numpy()) * self.accumulation_steps + open_window
+
     def layer_scales(self):
         """The current per-layer scales by layer name (per-layer mode), as
         Python floats; empty before the first step."""

@@ -7,7 +7,8 @@ multiplies. The statistics are left out of a program, not skipped inside
 it: a conditional in the compiled step waits on the host on a GPU, and a
 select computes both sides. So a training loop traces two programs, the
 measuring one and the plain one, and chooses one per call on the host from
-a step count it keeps itself: nothing is read back from the device.
+a step count it keeps itself: read from the optimizer once, when the
+count starts (a `fit`), never in the steps.
 
 - `measuring(flag)`: steps traced inside take the statistics (True, also
   the default outside any) or leave them out (False).
@@ -17,7 +18,7 @@ a step count it keeps itself: nothing is read back from the device.
 
 The optimizer decides on the device which steps of a measuring call measure
 (on schedule, and sooner after an overflow or while a unit's scale rises
-blind): the first calls all measure, for the scales to calibrate; after
+blind): the first steps all measure, for the scales to calibrate; after
 them, a request to measure sooner waits on the device for the next
 measuring call, at most `update_every - 1` steps.
 """
@@ -29,10 +30,10 @@ from tf_adaptive_scale import float16
 from tf_adaptive_scale import scale_policy
 
 _measuring = [True]
-# The first calls all measure: a unit that sees nothing rises
+# The first steps all measure: a unit that sees nothing rises
 # `UNSEEN_STEP` binades per measurement, so that many sweep it from a scale
 # of 1 to the largest per-layer one (2**64), as the optimizer asks.
-CALIBRATION_CALLS = math.ceil(float16.PER_LAYER_MAX_EXPONENT / scale_policy.UNSEEN_STEP)
+CALIBRATION_STEPS = math.ceil(float16.PER_LAYER_MAX_EXPONENT / scale_policy.UNSEEN_STEP)
 
 
 @contextlib.contextmanager
@@ -65,8 +66,9 @@ def is_measuring():
 
 
 def measuring_step(step, update_every):
-    """Whether a custom loop's step `step` (counted from 0) runs the
-    measuring program (see `Schedule`).
+    """Whether a custom loop's step `step` runs the measuring program: the
+    first `CALIBRATION_STEPS` steps and every `update_every`-th (a resumed
+    loop counts from the optimizer's `total_steps`).
 
     Args:
         step: int, the step's number.
@@ -75,34 +77,45 @@ def measuring_step(step, update_every):
     Returns:
         bool.
     """
-    return step < CALIBRATION_CALLS or step % update_every == 0
+    return step < CALIBRATION_STEPS or step % update_every == 0
 
 
 class Schedule:
-    """Which calls of a compiled step measure, counted on the host.
-
-    The first `CALIBRATION_CALLS` calls measure, then those holding a
-    multiple of `every`.
+    """Which calls of a compiled step measure, counted on the host: those
+    holding a step `measuring_step` names.
 
     Args:
         every: Steps between two measurements (the optimizer's
             `update_every`).
-        steps_per_call: Steps one call runs (`steps_per_execution`): a call
-            measures when one of its steps is due, all its steps then
+        steps_per_call: Micro-batches one call runs (`steps_per_execution`):
+            a call measures when one of their steps is due, all of them then
             taking the statistics.
+        micro_batches: Micro-batches per optimizer step (its
+            `accumulation_steps`, where each call is one micro-batch): a
+            measuring step's micro-batches all measure.
+        start: `start()`, the micro-batches taken before the first call (a
+            resumed run's, read once on the host: `micro_batches_taken`).
     """
 
-    def __init__(self, every, steps_per_call=1):
+    def __init__(self, every, steps_per_call=1, micro_batches=1, start=lambda: 0):
         self.every = int(every)
         self.steps_per_call = int(steps_per_call)
-        self.calls = 0
+        self.micro_batches = int(micro_batches)
+        self._start = start
+        self.micro_batch = None
+
+    def restart(self):
+        """Counts from `start()` again at the next call (a `fit` after a
+        restore)."""
+        self.micro_batch = None
 
     def next_call_measures(self):
-        """Whether the next call measures; counts it."""
-        first = self.calls * self.steps_per_call
-        self.calls += 1
-        # Steps from `first` to the next multiple of `every`.
-        return self.calls <= CALIBRATION_CALLS or (-first) % self.every < self.steps_per_call
+        """Whether the next call measures; counts its micro-batches."""
+        if self.micro_batch is None:
+            self.micro_batch = self._start()
+        first, self.micro_batch = self.micro_batch, self.micro_batch + self.steps_per_call
+        return any(measuring_step(b // self.micro_batches, self.every)
+                   for b in range(first, self.micro_batch))
 
 
 class ScheduledPrograms:

@@ -124,7 +124,8 @@ class _TrainStep:
         # (every `update_every`, counted here), one for the others.
         self._programs = step_programs.ScheduledPrograms(
             functools.partial(self._compile, jit_compile),
-            step_programs.Schedule(optimizer.update_every if self._tables else 1),
+            step_programs.Schedule(optimizer.update_every if self._tables else 1,
+                                   start=optimizer.micro_batches_taken),
         )
 
     def _compile(self, jit_compile):
