@@ -82,6 +82,23 @@ def test_the_plain_program_trains_as_the_measuring_one(float16_policy):
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_plain_first_call_leaves_the_measuring_program_its_own(float16_policy):
+    """A resumed run's first call can be plain: the measuring program traced
+    after it still measures (JAX caches traces by function: both programs
+    ran the plain trace, and a resumed run stopped measuring)."""
+    model, x, y = census_mlp(3)
+    model = tas.instrument(model)
+    optimizer = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=3)
+    model.compile(optimizer, "mse", jit_compile=True)
+    model.make_train_function()
+    model.train_function.schedule.restart(8)  # steps 8 (plain) and 9 (measuring)
+    model.train_on_batch(x, y)
+    assert int(optimizer.measurements) == 0
+    model.train_on_batch(x, y)
+    assert int(optimizer.measurements) == 1
+
+
 def test_steps_per_execution_measures_in_calls_holding_a_due_step(float16_policy):
     # Two steps a call: the first 4 calls (steps 0 to 7) calibrate, then
     # (10, 11) and (16, 17) hold no multiple of 3, the others do.

@@ -344,9 +344,11 @@ class InstrumentedModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         """`keras.Model.fit`; the step count that chooses its programs
-        restarts from the optimizer's (which a restore may have set)."""
-        if isinstance(self.train_function, step_programs.ScheduledPrograms):
-            self.train_function.schedule.restart()
+        restarts from the optimizer's when training begins (after a
+        `BackupAndRestore` restored it)."""
+        callbacks = kwargs.get("callbacks")
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            kwargs["callbacks"] = list(callbacks or []) + [_RestartSchedule()]
         return super().fit(*args, **kwargs)
 
     def make_train_function(self, force=False):
@@ -365,7 +367,13 @@ class InstrumentedModel(keras.Model):
             start=optimizer.micro_batches_taken)
 
         def make():
-            super(InstrumentedModel, self).make_train_function(force=True)
+            # A step function of its own per program: JAX caches traces by
+            # function, and would run the first program traced for both.
+            self.train_step = lambda *args, **kwargs: type(self).train_step(self, *args, **kwargs)
+            try:
+                super(InstrumentedModel, self).make_train_function(force=True)
+            finally:
+                del self.train_step
             program, self.train_function = self.train_function, scheduled
             return program
 
@@ -378,6 +386,17 @@ class InstrumentedModel(keras.Model):
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
+
+
+class _RestartSchedule(keras.callbacks.Callback):
+    """Last of `fit`'s callbacks: restarts the step count of an instrumented
+    model's programs from its optimizer's, once the others have restored
+    it and before Keras on JAX empties the variables to train."""
+
+    def on_train_begin(self, logs=None):
+        function = self.model.train_function
+        if isinstance(function, step_programs.ScheduledPrograms):
+            function.schedule.restart(self.model.optimizer.micro_batches_taken())
 
 
 def _is_graph(model):

@@ -104,13 +104,14 @@ class Schedule:
         self._start = start
         self.micro_batch = None
 
-    def restart(self):
-        """Counts from `start()` again at the next call (a `fit` after a
-        restore)."""
-        self.micro_batch = None
+    def restart(self, micro_batch):
+        """Counts on from `micro_batch` (a `fit` after a restore)."""
+        self.micro_batch = micro_batch
 
     def next_call_measures(self):
         """Whether the next call measures; counts its micro-batches."""
+        if self.every == 1:
+            return True
         if self.micro_batch is None:
             self.micro_batch = self._start()
         first, self.micro_batch = self.micro_batch, self.micro_batch + self.steps_per_call
