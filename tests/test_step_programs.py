@@ -38,14 +38,20 @@ def test_the_schedule_measures_the_first_calls_then_every_nth_step():
     assert [resumed.next_call_measures() for _ in range(4)] == [False, False, True, True]
 
 
+def instrumented_mlp(update_every):
+    """`(instrumented model, per-layer optimizer, x, y)`: the census's MLP
+    of depth 3, SGD."""
+    model, x, y = census_mlp(3)
+    optimizer = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=update_every)
+    return tas.instrument(model), optimizer, x, y
+
+
 def training(update_every, steps_per_execution=1, steps=12, programs=True):
     """An instrumented MLP trained by `fit` for `steps` steps; with
     `programs=False` every step runs the measuring program (one program,
     the step before this change)."""
-    model, x, y = census_mlp(3)
-    model = tas.instrument(model)
-    optimizer = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=update_every)
+    model, optimizer, x, y = instrumented_mlp(update_every)
     model.compile(optimizer, "mse", jit_compile=True, steps_per_execution=steps_per_execution)
     xs = np.concatenate([x * (1 + 0.1 * i) for i in range(steps)])
     ys = np.concatenate([y] * steps)
@@ -86,10 +92,7 @@ def test_a_plain_first_call_leaves_the_measuring_program_its_own(float16_policy)
     """A resumed run's first call can be plain: the measuring program traced
     after it still measures (JAX caches traces by function: both programs
     ran the plain trace, and a resumed run stopped measuring)."""
-    model, x, y = census_mlp(3)
-    model = tas.instrument(model)
-    optimizer = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=3)
+    model, optimizer, x, y = instrumented_mlp(update_every=3)
     model.compile(optimizer, "mse", jit_compile=True)
     model.make_train_function()
     model.train_function.schedule.restart(8)  # steps 8 (plain) and 9 (measuring)
@@ -137,10 +140,7 @@ def test_the_plain_program_adds_a_constant_over_stock(float16_policy):
 
 @pytest.mark.skipif(not TF, reason="make_train_step is TensorFlow's")
 def test_make_train_step_runs_two_programs(float16_policy):
-    model, x, y = census_mlp(3)
-    model = tas.instrument(model)
-    optimizer = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=4)
+    model, optimizer, x, y = instrumented_mlp(update_every=4)
     step = tas.make_train_step(model, keras.losses.MeanSquaredError(), optimizer)
     for _ in range(12):
         step(x, y)
@@ -150,13 +150,10 @@ def test_make_train_step_runs_two_programs(float16_policy):
 
 @pytest.mark.skipif(not TF, reason="tf.function is TensorFlow's")
 def test_a_custom_loop_passes_the_flag(float16_policy):
-    """docs/custom_loops.md: a Python bool argument, a trace each."""
+    """docs/per_layer.md's loop: a Python bool argument, a trace each."""
     import tensorflow as tf
 
-    model, x, y = census_mlp(3)
-    model = tas.instrument(model)
-    optimizer = tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.SGD(0.01), scaling="per_layer", update_every=4)
+    model, optimizer, x, y = instrumented_mlp(update_every=4)
     optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
 
