@@ -100,19 +100,29 @@ GROUPS = (
 )
 
 
+# A group takes 55-80 s on a quiet 2-core machine (conftest.LONGEST_FIRST):
+# generous for one under load.
+WORKER_TIMEOUT = 900
+
+
 @functools.lru_cache(maxsize=None)
 def _run_worker(group):
     """Runs the worker once per group and session; returns (results, failure
-    message)."""
+    message). A worker that times out is a failure cached like any other:
+    raised, the timeout was not cached, and every test of the group started
+    the worker again (a loaded 2-core machine ran 43 minutes)."""
     env = child_env()
-    proc = subprocess.run(
-        [sys.executable, WORKER, *group],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, WORKER, *group],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=WORKER_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as e:
+        return None, f"worker timed out after {e.timeout} s"
     lines = proc.stdout.strip().splitlines()
     try:
         if proc.returncode != 0:
