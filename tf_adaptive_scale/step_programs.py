@@ -139,7 +139,10 @@ class ScheduledPrograms:
             self.programs[measures] = self._make()
         return self.programs[measures]
 
-    def __call__(self, *args, **kwargs):
-        measures = self.schedule.next_call_measures()
+    def run(self, measures, *args, **kwargs):
+        """Calls the measuring (`measures` True) or the plain program."""
         with measuring(measures):
             return self.program(measures)(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.run(self.schedule.next_call_measures(), *args, **kwargs)

@@ -144,8 +144,7 @@ class _TrainStep:
                 self._distribute(t) for t in (x, y, sample_weight)
             )
         if tf.inside_function():  # called from a traced function: no count to keep
-            with step_programs.measuring(True):
-                return self._programs.program(True)(x, y, sample_weight)
+            return self._programs.run(True, x, y, sample_weight)
         return self._programs(x, y, sample_weight)
 
     def compiled_program(self, x, y, sample_weight=None, measuring=True):
