@@ -13,11 +13,14 @@ order given, optax style. A new clipper is one `Clipper` subclass here:
 ...     clippers=[tas.clipping.AutoClip(10.0), tas.clipping.ClipByValue(1.0)])
 """
 
+import re
+
 import keras
 from keras import ops
 
 from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import validation
+from tf_adaptive_scale.optimizer_state import StateVariable
 
 
 def global_norm(grads):
@@ -146,25 +149,32 @@ def history_percentile(history, count, percentile):
 class Clipper:
     """A clipping step of a chain.
 
-    `build` creates its state (through the optimizer's `_add_state`, so that
-    it is saved with the optimizer); a call clips and returns
+    `declared` names its state (`optimizer_state.StateVariable`s), which the
+    optimizer makes (saved with it; each clipper instance's names its own, see
+    `state_prefixes`) and hands to `bind`; a call clips and returns
     `(grads, acted, commit)`, `commit` a function writing the state on a
     step that is applied (None: no state). A subclass implements `__call__`
-    (and `build` if it keeps state), keeps its checked arguments with
+    (and `declared` and `bind` if it keeps state), keeps its checked arguments with
     `_keep` (its config; or defines `get_config`), and is registered with
     `keras.saving.register_keras_serializable` so an optimizer holding it
     saves and loads. The optimizer builds a copy made from the config: the
     caller's object never holds state.
     """
 
-    def build(self, add_state, num_variables):
-        """Creates the clipper's state, if any.
+    def declared(self, num_variables):
+        """The clipper's state variables, if any.
 
         Args:
-            add_state: `add_state(name, value, shape=(), dtype="float32")`
-                returns a new optimizer variable.
             num_variables: How many variables the optimizer trains.
+
+        Returns:
+            A tuple of `optimizer_state.StateVariable`s.
         """
+        return ()
+
+    def bind(self, variables):
+        """Takes the variables made from `declared` (a namespace, by the
+        declared names)."""
 
     def __call__(self, grads, weights, rows):
         """Clips dense gradients.
@@ -288,10 +298,13 @@ class AutoClip(Clipper):
             per_variable=validation.boolean("per_variable", per_variable),
         )
 
-    def build(self, add_state, num_variables):
+    def declared(self, num_variables):
         rows = (num_variables,) if self.per_variable else ()
-        self.history = add_state("norm_history", 0.0, shape=rows + (self.window,))
-        self.count = add_state("norm_history_count", 0, dtype="int32")
+        return (StateVariable("norm_history", shape=rows + (self.window,)),
+                StateVariable("norm_history_count", 0, dtype="int32"))
+
+    def bind(self, variables):
+        self.history, self.count = variables.norm_history, variables.norm_history_count
 
     def __call__(self, grads, weights, rows):
         count = self.count.value
@@ -333,6 +346,18 @@ def check_chain(name, clippers):
                 f"ClipByNorm(1.0)). Received: {c!r}"
             )
     return list(chain)
+
+
+def state_prefixes(chain):
+    """What each clipper's state names start with, so that two of a class
+    keep their own: nothing for the first, `"auto_clip_1_"` for a second
+    `AutoClip` (Keras names layers alike)."""
+    seen, prefixes = {}, []
+    for clipper in chain:
+        kind = re.sub(r"(?<!^)(?=[A-Z])", "_", type(clipper).__name__).lower()
+        count = seen[kind] = seen.get(kind, -1) + 1
+        prefixes.append(f"{kind}_{count}_" if count else "")
+    return prefixes
 
 
 def clip(chain, grads, weights, rows):

@@ -14,6 +14,7 @@ from tf_adaptive_scale import branching
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import measurement
+from tf_adaptive_scale.optimizer_state import StateVariable
 
 
 def accumulate(total, value, is_statistics):
@@ -26,45 +27,49 @@ def accumulate(total, value, is_statistics):
     return total + value
 
 
+def declared(variables):
+    """The window's variables (`optimizer_state.StateVariable`s, not read
+    as the optimizer's attributes).
+
+    Args:
+        variables: The optimizer's trained variables, in its order.
+    """
+    return tuple(
+        StateVariable(f"window_sum_{i}", shape=tuple(v.shape), readable=False)
+        for i, v in enumerate(variables)
+    ) + (
+        StateVariable("window_measurement", shape=(measurement.PACKED_SIZE,), readable=False),
+        StateVariable("window_count", 0, dtype="int32", readable=False),
+        # The sum of the micro-batches' weights, which divides the sums.
+        StateVariable("window_weight", readable=False),
+        # Whether every micro-batch's loss so far was finite.
+        StateVariable("window_loss_finite", True, dtype="bool", readable=False),
+    )
+
+
 class GradientWindow:
     """The optimizer state of a window: sums, statistics and a count.
 
     Args:
-        optimizer: The optimizer that owns (and saves) the variables.
+        state: The variables of `declared(variables)`, by name.
         variables: The optimizer's variables, in its order; an instrumented
             model's `statistics` variables are combined, the others summed.
         steps: Micro-batches per window, >= 2.
 
     Example:
 
-    >>> window = GradientWindow(optimizer, var_list, steps=4)
+    >>> window = GradientWindow(state, var_list, steps=4)
     >>> last = window.add({0: grad}, 1.0, measurement, loss_finite)
     """
 
-    def __init__(self, optimizer, variables, steps):
+    def __init__(self, state, variables, steps):
         self.steps = steps
         self.is_statistics = [hasattr(v, "scale_table") for v in variables]
-        self.sums = [
-            optimizer.add_variable(
-                v.shape, initializer="zeros", dtype="float32", name="window_sum"
-            )
-            for v in variables
-        ]
-        self.measurement = optimizer.add_variable(
-            (measurement.PACKED_SIZE,), initializer="zeros", dtype="float32",
-            name="window_measurement",
-        )
-        self.count = optimizer.add_variable(
-            (), initializer="zeros", dtype="int32", name="window_count"
-        )
-        # The sum of the micro-batches' weights, which divides the sums.
-        self.weight = optimizer.add_variable(
-            (), initializer="zeros", dtype="float32", name="window_weight"
-        )
-        # Whether every micro-batch's loss so far was finite.
-        self.loss_finite = optimizer.add_variable(
-            (), initializer="ones", dtype="bool", name="window_loss_finite"
-        )
+        self.sums = [getattr(state, f"window_sum_{i}") for i in range(len(variables))]
+        self.measurement = state.window_measurement
+        self.count = state.window_count
+        self.weight = state.window_weight
+        self.loss_finite = state.window_loss_finite
 
     def add(self, values, weight, measurement, loss_finite):
         """Adds one micro-batch.

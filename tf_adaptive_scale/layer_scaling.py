@@ -1,7 +1,8 @@
 """The per-layer observation of one step, on a `ScaleTable`'s statistics (see
-`gradient_scale`): the adaptive rule per unit and overflow attribution, as
-pure functions of tensors, and `TableStep`, which gathers them into the
-`scale_policy.Observation` that `PerLayerScaling` turns into new scales."""
+`gradient_scale`): overflow attribution, as pure functions of tensors, and
+`TableStep`, which gathers them with the adaptive rule's exponents into the
+`scale_policy.Observation` that `PerLayerScaling` turns into new scales
+(`scale_step.LayerStep` runs one per table)."""
 
 from keras import ops
 
@@ -12,47 +13,26 @@ from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale import step_programs
 
 
-def layer_log2_scales(statistics, weight_max, underflow_rate, log2_headroom,
-                      weigh=None):
-    """Each unit's scale exponent by the adaptive rule, unbounded.
+def unit_view(statistics, weight_max):
+    """What the adaptive rule reads of each unit (`AdaptiveRule.unit_log2_scales`).
 
     A unit's histogram covers its float16 output gradients and the input
-    gradients its backward produced; its largest value is the largest of
-    those and of its weight gradients (all unscaled), since all are held at
-    its scale. A unit with none of those in view but float32 output
-    gradients keeps their peak `headroom` below float16's maximum.
+    gradients its backward produced; its peak is the largest of those and of
+    its weight gradients (all unscaled), since all are held at its scale.
 
     Args:
         statistics: `(units, NUM_COLUMNS)` statistics of one backward pass.
         weight_max: `(units,)` largest unscaled weight gradient per unit.
-        underflow_rate: Tolerated underflowing fraction.
-        log2_headroom: Exponent of the headroom.
-        weigh: Optional `weigh(histogram)` giving the weights the underflow
-            fraction is taken over (e.g. `gradient_statistics.mass_histogram`);
-            by default the counts.
 
     Returns:
-        A tuple `(log2_scales, seen)`: `(units,)` float32 exponents, and
-        whether each unit saw a nonzero gradient (the exponent is
-        meaningless where it did not).
+        `(histogram, peak, wide_peak)`, the last the peak of its float32
+        output gradients.
     """
-    histogram = statistics[:, : stats.NUM_BINS]
     peak = ops.maximum(
-        ops.maximum(
-            statistics[:, boundary.OUTPUT_MAX], statistics[:, boundary.INPUT_MAX]
-        ),
+        ops.maximum(statistics[:, boundary.OUTPUT_MAX], statistics[:, boundary.INPUT_MAX]),
         weight_max,
     )
-    weights = histogram if weigh is None else weigh(histogram)
-    chosen, _, _ = stats.adaptive_log2_scale(
-        weights, peak, underflow_rate, log2_headroom
-    )
-    seen = ops.sum(histogram, axis=-1) > 0
-    # A unit with only float32 output gradients in view: fit their peak.
-    wide = statistics[:, boundary.WIDE_OUTPUT_MAX]
-    _, fits = stats.scale_bounds(histogram, wide, underflow_rate)
-    chosen = ops.where(seen, chosen, fits - log2_headroom)
-    return chosen, seen | (wide > 0)
+    return statistics[:, : stats.NUM_BINS], peak, statistics[:, boundary.WIDE_OUTPUT_MAX]
 
 
 def overflow_origins(statistics, weight_non_finite):
@@ -120,21 +100,20 @@ class TableStep:
             over replicas.
         members: `(position, unit)` pairs: where each of the table's weights
             sits in the step's gradient list, and its unit.
-        rule: `rule(statistics, weight_max)`, the adaptive rule (see
-            `layer_log2_scales`).
-        policy: The `scale_policy.PerLayerScaling` that sets the scales.
+        policy: The `scale_policy.PerLayerScaling` that sets the scales (with
+            its `rule.layer_log2_scales`).
 
     Example:
 
-    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], rule, policy)
+    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], policy)
+    >>> new_state = step.step(state, observation, grads, scheduled)
     """
 
-    def __init__(self, table, statistics, members, rule, policy):
+    def __init__(self, table, statistics, members, policy):
         self.table = table
         self.statistics = statistics
         self.positions = [p for p, _ in members]
         self.units = [u for _, u in members]
-        self.rule = rule
         self.policy = policy
         self.flags = statistics[
             :, boundary.PRODUCED_NON_FINITE : boundary.RECEIVED_NON_FINITE + 1
@@ -143,7 +122,25 @@ class TableStep:
         # stands until a measuring program serves it (see `record`).
         self.measured = (table.measure.value > 0 if step_programs.is_measuring()
                          else ops.zeros((), "bool"))
-        self._rose_far = False  # set by `advance`
+
+    def step(self, state, observation, grads, scheduled):
+        """This table's part of a step, in its order: what the step saw,
+        the next scales, then whether to measure next (which reads both).
+
+        Args:
+            state: The optimizer's `ScaleState` (its scalar fields).
+            observation: The step's shared `Observation` (finite,
+                loss_finite).
+            grads: The step's unscaled gradients, by position.
+            scheduled: bool, the optimizer meant this step to measure.
+
+        Returns:
+            The policy's next `ScaleState` (with this table's vectors).
+        """
+        seen = self.observation(grads, observation.finite, observation.loss_finite)
+        new, rose_far = self.advance(state, seen)
+        self.record(scheduled, ops.equal(new.steps_to_measure, 0), seen, rose_far)
+        return new
 
     def log2_divisors(self):
         """`{position: log2 scale}` of every weight this table governs."""
@@ -172,7 +169,7 @@ class TableStep:
         peaks, non_finite = stats.peaks_and_non_finite(
             [grads[p] for p in self.positions], self.units, len(self.table.unit_names)
         )
-        proposed, seen = self.rule(self.statistics, peaks)
+        proposed, seen = self.policy.rule.unit_log2_scales(*unit_view(self.statistics, peaks))
         cut = mostly_underflowed(self.statistics, self.table.log2_scales.value)
         proposed = ops.where(self.measured, proposed, 0.0)
         seen, cut = seen & self.measured, cut & self.measured
@@ -198,7 +195,9 @@ class TableStep:
             observation: This table's `observation(...)`.
 
         Returns:
-            The policy's next `ScaleState` (with this table's vectors).
+            `(state, rose_far)`: the policy's next `ScaleState` (with this
+            table's vectors), and whether a unit rose so far that the next
+            step measures too.
         """
         state = state._replace(
             log2_scale=self.table.log2_scales.value,
@@ -210,7 +209,7 @@ class TableStep:
         # they were: the next update may move them as far, so the next step
         # measures too (the calibrating one rises from a guess).
         rise = _keep_loss_unit(new.log2_scale - state.log2_scale)
-        self._rose_far = (
+        rose_far = (
             state.calibrated & self.measured & observation.finite
             & ops.any(rise >= scale_policy.UNSEEN_STEP)
         )
@@ -218,9 +217,9 @@ class TableStep:
         self.table.log2_ceilings.assign(
             _keep_loss_unit(new.log2_ceiling, float16.NO_CAP_EXPONENT)
         )
-        return new
+        return new, rose_far
 
-    def record(self, scheduled, scheduled_next, observation):
+    def record(self, scheduled, scheduled_next, observation, rose_far):
         """Keeps this step's statistics (skipped steps too: they show where
         the overflow was) and tells the boundaries whether to measure next.
 
@@ -228,6 +227,7 @@ class TableStep:
             scheduled: bool, the optimizer meant this step to measure.
             scheduled_next: bool, it means the next step to.
             observation: This step's observation.
+            rose_far: `advance`'s flag.
         """
         self.table.statistics.assign(self.statistics)
         # A table the optimizer has not driven before may not have measured.
@@ -245,7 +245,7 @@ class TableStep:
         rising = self.measured & observation.finite & ops.any(
             _keep_loss_unit(blind | held, False)
         )
-        measure_next = scheduled_next | missed | rising | self._rose_far
+        measure_next = scheduled_next | missed | rising | rose_far
         self.table.measure.assign(ops.cast(measure_next, "float32"))
 
 
@@ -266,7 +266,7 @@ def tables_of(var_list):
     return tables
 
 
-def table_steps(tables, statistics, variables, regular, rule, policy):
+def table_steps(tables, statistics, variables, regular, policy):
     """One `TableStep` per table, on the step's gradients.
 
     Args:
@@ -274,7 +274,6 @@ def table_steps(tables, statistics, variables, regular, rule, policy):
         statistics: Their statistics, in the same order.
         variables: The step's variables.
         regular: Positions of the variables updated from their gradients.
-        rule: See `TableStep`.
         policy: The `scale_policy.PerLayerScaling`.
 
     Returns:
@@ -284,31 +283,8 @@ def table_steps(tables, statistics, variables, regular, rule, policy):
     for table, table_statistics in zip(tables, statistics):
         units = [(i, table.unit_of(variables[i])) for i in regular]
         members = [(i, unit) for i, unit in units if unit is not None]
-        steps.append(TableStep(table, table_statistics, members, rule, policy))
+        steps.append(TableStep(table, table_statistics, members, policy))
     return steps
-
-
-def advance(steps, state, grads, finite, loss_finite, scheduled):
-    """Writes every table's next scales; the global scale stays 1.
-
-    Args:
-        steps: The step's `TableStep`s.
-        state: The optimizer's `ScaleState`.
-        grads: The step's unscaled gradients, by position.
-        finite: bool, the step's gradients were all finite.
-        loss_finite: bool, its loss was finite.
-        scheduled: bool, the optimizer meant this step to measure.
-
-    Returns:
-        The optimizer's next `ScaleState` (scalar fields).
-    """
-    for step in steps:
-        observation = step.observation(grads, finite, loss_finite)
-        new = step.advance(state, observation)
-        step.record(scheduled, ops.equal(new.steps_to_measure, 0), observation)
-    return new._replace(
-        log2_scale=ops.zeros_like(state.log2_scale), log2_ceiling=state.log2_ceiling,
-    )
 
 
 def split_tables(pairs, policy):

@@ -19,6 +19,7 @@ from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import keras_internals
+from tf_adaptive_scale.optimizer_state import StateVariable
 
 # Packed per-replica (or per-micro-batch) measurement: histogram, zeros, peak.
 PACKED_SIZE = float16.NUM_BINS + 2
@@ -60,48 +61,39 @@ class Reading(NamedTuple):
     layers: dict
 
 
-class Measurement:
-    """The statistics variables, created through the optimizer's
-    `_add_state` (so they are saved with it and read as its attributes), and
-    the writes of a measured step.
+def declared(num_variables):
+    """The statistics' variables (`optimizer_state.StateVariable`s).
 
     Args:
-        add_state: `add_state(name, value, shape=(), dtype="float32")`, a
-            new optimizer variable.
         num_variables: How many variables the optimizer trains.
-        underflow_rate: The tolerated underflow fraction.
-        criterion: `"count"` or `"mass"` (see `weights`).
     """
-
-    def __init__(self, add_state, num_variables, underflow_rate, criterion):
-        self.underflow_rate = underflow_rate
-        self.criterion = criterion
-        self.gradient_histogram = add_state("gradient_histogram", 0.0, shape=(float16.NUM_BINS,))
-        self.gradient_zeros = add_state("gradient_zeros", 0.0)
-        self.gradient_max = add_state("gradient_max", 0.0)
-        self.underflow_fraction = add_state("underflow_fraction", 0.0)
-        self.scale_window = add_state("scale_window", 0.0, shape=(2,))
-        self.gradient_norm = add_state("gradient_norm", 0.0)
-        self.variable_gradient_norms = add_state(
-            "variable_gradient_norms", 0.0, shape=(num_variables,)
-        )
+    return (
+        StateVariable("gradient_histogram", shape=(float16.NUM_BINS,)),
+        StateVariable("gradient_zeros"),
+        StateVariable("gradient_max"),
+        StateVariable("underflow_fraction"),
+        StateVariable("scale_window", shape=(2,)),
+        StateVariable("gradient_norm"),
+        StateVariable("variable_gradient_norms", shape=(num_variables,)),
         # Exact zeros per variable: float16 cannot tell a value lost to
         # underflow from a true zero (the monitor reads both).
-        self.variable_gradient_zeros = add_state(
-            "variable_gradient_zeros", 0.0, shape=(num_variables,)
-        )
-        self.variable_gradient_histograms = add_state(
-            "variable_gradient_histograms", 0.0,
-            shape=(num_variables, float16.NUM_BINS),
-        )
-        self.measurements = add_state("measurements", 0, dtype=backends.COUNTER_DTYPE)
-        self.measured_step = add_state("measured_step", -1, dtype=backends.COUNTER_DTYPE)
+        StateVariable("variable_gradient_zeros", shape=(num_variables,)),
+        StateVariable("variable_gradient_histograms",
+                      shape=(num_variables, float16.NUM_BINS)),
+        StateVariable("measurements", 0, dtype=backends.COUNTER_DTYPE),
+        StateVariable("measured_step", -1, dtype=backends.COUNTER_DTYPE),
+    )
 
-    def weights(self, histogram):
-        """The histogram the rule weighs: counts, or squared magnitudes."""
-        if self.criterion == "mass":
-            return stats.mass_histogram(histogram)
-        return histogram
+
+class Measurement:
+    """The writes of a measured step to the declared statistics.
+
+    Args:
+        variables: The variables of `declared(...)`, by name.
+    """
+
+    def __init__(self, variables):
+        self.__dict__.update(vars(variables))
 
     @staticmethod
     def packed(grads, log2_scale):
@@ -123,17 +115,20 @@ class Measurement:
             unscaled, range(len(unscaled)), len(unscaled), sample=stats.VARIABLE_SAMPLE
         )
 
-    def record(self, measured, each, rows, step, packed=None):
+    def record(self, measured, each, rows, step, rule, packed=None):
         """Where `measured`, records a finite step's gradient statistics
         (`statistics`), per variable (at `rows`) and in total; with several
         replicas or micro-batches the total histogram, zeros and peak are
         their own, combined (`packed`), the per-variable records those of
-        the sum.
+        the sum; `rule` (an `AdaptiveRule`) gives the scale window.
 
         Written by selects where `measured`, not in a conditional: a
         conditional in the compiled step makes XLA give its operands buffers
         and layouts of their own, and on a GPU waits on the host for its
         predicate.
+
+        Returns:
+            The `Latest` statistics, as written (the step's where measured).
         """
         total = each.total()
         histogram, max_abs, zeros = total.histograms, total.max_abs, total.zeros
@@ -143,7 +138,9 @@ class Measurement:
         norms = ops.sqrt(each.squares)
 
         def write(variable, value):
-            variable.assign(ops.where(measured, value, variable.value))
+            value = ops.where(measured, value, variable.value)
+            variable.assign(value)
+            return value
 
         write(self.variable_gradient_histograms,
               _placed(self.variable_gradient_histograms.value, rows, each.histograms))
@@ -151,36 +148,41 @@ class Measurement:
               _placed(self.variable_gradient_norms.value, rows, norms))
         write(self.variable_gradient_zeros,
               _placed(self.variable_gradient_zeros.value, rows, each.zeros))
-        write(self.gradient_histogram, histogram)
-        write(self.gradient_zeros, zeros)
-        write(self.gradient_max, max_abs)
+        latest = Latest(write(self.gradient_histogram, histogram),
+                        write(self.gradient_zeros, zeros), write(self.gradient_max, max_abs))
         write(self.gradient_norm, ops.sqrt(total.squares))
         write(self.scale_window, ops.stack(
-            stats.scale_bounds(self.weights(histogram), max_abs, self.underflow_rate)
+            rule.bounds(histogram, max_abs)
         ))
         self.measurements.assign_add(ops.cast(measured, self.measurements.dtype))
         write(self.measured_step, ops.cast(step, self.measured_step.dtype))
+        return latest
 
-    def proposal(self, log2_headroom):
-        """The adaptive rule's exponent from the last measurement, and
-        whether it saw any nonzero value."""
-        log2_scale, _, _ = stats.adaptive_log2_scale(
-            self.weights(self.gradient_histogram.value),
-            self.gradient_max.value, self.underflow_rate, log2_headroom,
-        )
-        return log2_scale, ops.sum(self.gradient_histogram.value) > 0
+    def latest(self):
+        """The last measured step's `Latest` statistics (none this step)."""
+        return Latest(self.gradient_histogram.value, self.gradient_zeros.value,
+                      self.gradient_max.value)
 
-    def report_underflow(self, measured, log2_scale):
-        """On a measured step, the underflow fraction at the scale the next
-        steps use."""
+    def report_underflow(self, measured, log2_scale, rule, latest):
+        """On a measured step, the underflow fraction of the `latest`
+        statistics at the scale the next steps use."""
         self.underflow_fraction.assign(ops.where(
             measured,
-            stats.underflow_fraction(
-                self.weights(self.gradient_histogram.value), log2_scale,
-                zeros=self.gradient_zeros.value,
-            ),
+            rule.underflow(latest.histogram, log2_scale, latest.zeros),
             self.underflow_fraction.value,
         ))
+
+
+class Latest(NamedTuple):
+    """The statistics of the last measured step that the rule reads."""
+
+    histogram: object
+    zeros: object
+    max_abs: object
+
+    def proposal(self, rule):
+        """`rule`'s exponent, and whether any value was nonzero."""
+        return rule.log2_scale(self.histogram, self.max_abs), ops.sum(self.histogram) > 0
 
 
 def _placed(old, rows, new):
@@ -315,74 +317,3 @@ def stall_report(skips, step, limit, loss_finite, layers):
         f"{skips} consecutive steps skipped, up to step {step} "
         f"(max_consecutive_skips={limit}): {why}."
     )
-
-
-class MeasurementReader:
-    """Mixed into `AdaptiveLossScaleOptimizer`: the host-side reads of what
-    it measured and counted (its `_measurement`, `_step_state` and scale
-    tables)."""
-
-    def read(self):
-        """What the optimizer measured and counted, read on the host (all
-        that `tas.ScaleMonitor` reports).
-
-        Returns:
-            A `Reading`.
-        """
-        return read(
-            self._measurement, self.dynamic_scale, self._step_state.total_steps,
-            self._step_state.skipped_steps, self._step_state.last_loss_finite,
-            self.clipped_steps, self.policy,
-            self.gradient_scales(),
-        )
-
-    def gradient_scales(self):
-        """Per variable the optimizer was built for, `(layer name, log2 of the
-        scale its gradient carries)` (per layer, its unit's), None for an
-        instrumented model's own statistics; empty before `build`."""
-        if not self.built:
-            return []
-        return gradient_scales(
-            keras_internals.built_variables(self), self._scale_tables, self.dynamic_scale
-        )
-
-    def stalled_layers(self):
-        """The layers whose gradients were not finite on the last skipped
-        step, nearest the loss last."""
-        return stalled_layers(
-            self._step_state.non_finite_gradients, self.gradient_scales()
-        )
-
-    def check_progress(self):
-        """Raises `SkippedStepsError`, saying why and where, after
-        `max_consecutive_skips` consecutive skipped steps (for custom loops;
-        in `fit`, `tas.ScaleMonitor` calls it).
-
-        Raises:
-            SkippedStepsError: When the limit is reached.
-        """
-        limit, state = self.max_consecutive_skips, getattr(self, "_step_state", None)
-        skips = 0 if state is None else int(state.consecutive_skips.numpy())
-        if limit is not None and skips >= limit:
-            raise SkippedStepsError(stall_report(
-                skips, int(state.total_steps.numpy()), limit,
-                bool(state.last_loss_finite.numpy()), self.stalled_layers(),
-            ))
-
-    def micro_batches_taken(self):
-        """Micro-batches taken so far, read on the host: steps (applied and
-        skipped) times `accumulation_steps`, and the open window's. Where a
-        step count kept on the host starts (`step_programs.Schedule`)."""
-        if not self.built:
-            return 0
-        window = getattr(self, "_window", None)
-        open_window = 0 if window is None else int(window.count.numpy())
-        return int(self._step_state.total_steps.numpy()) * self.accumulation_steps + open_window
-
-    def layer_scales(self):
-        """The current per-layer scales by layer name (per-layer mode), as
-        Python floats; empty before the first step."""
-        scales = {}
-        for table in getattr(self, "_scale_tables", []):
-            scales.update(table.scales())
-        return scales

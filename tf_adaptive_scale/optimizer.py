@@ -1,7 +1,7 @@
 """AdaptiveLossScaleOptimizer: bounded, observable loss scaling with clipping."""
 
 import functools
-import math
+import types
 import typing
 
 import keras
@@ -18,20 +18,18 @@ from tf_adaptive_scale import keras_internals
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import legacy_api
 from tf_adaptive_scale import measurement
+from tf_adaptive_scale import optimizer_state
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale import scale_step
 from tf_adaptive_scale import settings as settings_lib
 from tf_adaptive_scale import sparse_gradients as sparse
 from tf_adaptive_scale import step_state
 from tf_adaptive_scale import stock_state
-from tf_adaptive_scale import step_programs
+from tf_adaptive_scale.optimizer_state import StateVariable
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
-class AdaptiveLossScaleOptimizer(
-    legacy_api.LegacyLossScaleAPI,
-    measurement.MeasurementReader,
-    keras.mixed_precision.LossScaleOptimizer,
-):
+class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     __doc__ = """A loss scale optimizer whose scale follows the gradients themselves.
 
     One step, `scale_loss` then `apply`:
@@ -49,7 +47,8 @@ class AdaptiveLossScaleOptimizer(
        next scale, which is written to the optimizer's variables.
 
     Arguments and state variables read as attributes (`update_every`,
-    `measurements`); `iterations` counts applied steps only. The rules are in
+    `measurements`; the variables are listed by `declared_state()`);
+    `iterations` counts applied steps only. The rules are in
     docs/arguments.md ("Arguments", "The adaptive rule") and docs/per_layer.md.
 
     Args:
@@ -81,17 +80,8 @@ class AdaptiveLossScaleOptimizer(
         self.global_clipnorm = settings.global_clipnorm
         self._clippers = self.settings.clipping_chain()
         self._policy = None
-        # Made before `build`, for `scale_loss`'s first trace: the scale, the
-        # non-finite losses since the last step (summed over replicas: bad
-        # data, not an overflow), the scale the loss was multiplied by (0:
-        # none; the mode may be resolved between `scale_loss` and `apply`),
-        # and whether the caller unscaled this step's gradients already
-        # (`get_unscaled_gradients`): the step protocol, in variables so
-        # that eager and traced calls, in one function or several, agree.
-        self.dynamic_scale = self._add_state("dynamic_scale", self.initial_scale)
-        self.non_finite_losses = self._add_state("non_finite_losses", 0.0, aggregation="sum")
-        self.loss_scale_used = self._add_state("loss_scale_used", 0.0)
-        self.gradients_unscaled = self._add_state("gradients_unscaled", False, dtype="bool")
+        self._declared = []
+        self._make_state(_protocol_state(self.initial_scale))
         if scaling is not None:
             self.resolve_scaling(scaling)
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
@@ -103,14 +93,13 @@ class AdaptiveLossScaleOptimizer(
             return getattr(settings, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def _add_state(self, name, value, shape=(), dtype="float32", aggregation="only_first_replica"):
-        """A state variable, saved with the optimizer, read as attribute
-        `name` (a named TensorFlow checkpoint dependency, as stock's)."""
-        initializer = keras.initializers.Constant(value)
-        variable = self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
-                                     aggregation=aggregation, name=name)
-        setattr(self, name, variable)
-        return variable
+    def _make_state(self, declared):
+        return optimizer_state.make(self, declared, self._declared)
+
+    def declared_state(self):
+        """The optimizer's own variables, as declared
+        (`optimizer_state.StateVariable`s, in the order of `variables`)."""
+        return tuple(self._declared)
 
     @property
     def policy(self):
@@ -138,15 +127,20 @@ class AdaptiveLossScaleOptimizer(
             self._check_known(var_list, all_of_them=True)
             return
         n = len(var_list)
-        self._step_state = step_state.StepState(self._add_state, self.dynamic_scale, n)
-        self._measurement = measurement.Measurement(
-            self._add_state, n, self.underflow_rate, self.underflow_criterion
-        )
-        self.clipped_steps = self._add_state("clipped_steps", 0, dtype=backends.COUNTER_DTYPE)
-        for clipper in self._clippers:
-            clipper.build(self._add_state, n)
+        self._step_state = step_state.StepState(
+            self._make_state(step_state.declared(n)), self.dynamic_scale)
+        self._measurement = measurement.Measurement(self._make_state(measurement.declared(n)))
+        self._make_state(_CLIPPING_STATE)
+        for clipper, prefix in zip(self._clippers, clipping.state_prefixes(self._clippers)):
+            declared = clipper.declared(n)
+            made = vars(self._make_state([d._replace(name=prefix + d.name) for d in declared]))
+            clipper.bind(types.SimpleNamespace(
+                **{d.name: made[prefix + d.name] for d in declared}))
         if self.accumulation_steps > 1:
-            self._window = gradient_window.GradientWindow(self, var_list, self.accumulation_steps)
+            self._window = gradient_window.GradientWindow(
+                self._make_state(gradient_window.declared(var_list)), var_list,
+                self.accumulation_steps,
+            )
         self._scale_tables = layer_scaling.tables_of(var_list)
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(_trained(var_list))
@@ -208,8 +202,8 @@ class AdaptiveLossScaleOptimizer(
             lambda g, apply_fn: self._step(g, variables, apply_fn, tables),
             self.inner_optimizer, grads, variables,
             statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
-            replica_statistics=None if tables else (
-                lambda: self._packed_measurement(grads, variables)),
+            replica_statistics=(lambda: self._packed_measurement(grads, variables))
+            if scale_step.for_policy(self._policy).measures_replicas else None,
         )
 
     def _check_known(self, variables, all_of_them=False):
@@ -268,13 +262,12 @@ class AdaptiveLossScaleOptimizer(
         it: `exact_accumulation`); the window's last micro-batch decides for
         all."""
         regular = self._regular(inputs.variables)
-        steps = self._table_steps(inputs, regular)
-        state = self._step_state.scale_state()
-        unscaled = stats.unscale(inputs.grads, self._log2_divisors(state, steps, regular))
+        source = self._scale_step(inputs, regular)
+        unscaled = stats.unscale(inputs.grads, self._log2_divisors(source, regular))
         weight = 1.0
         for i in accumulation_model.normaliser_variables(inputs.variables):
-            weight = inputs.grads[i] * stats.pow2(-self._log2_gradient_scale(state.log2_scale))
-        if inputs.tables:  # per layer, the tables carry the statistics
+            weight = inputs.grads[i] * stats.pow2(-self._log2_gradient_scale(source.state.log2_scale))
+        if not source.measures_replicas:  # per layer, the tables carry the statistics
             packed = ops.zeros((measurement.PACKED_SIZE,))
         elif inputs.packed:  # each replica's, combined
             (packed,) = inputs.packed
@@ -297,7 +290,7 @@ class AdaptiveLossScaleOptimizer(
                 inputs._replace(
                     grads=window(inputs.grads),
                     table_grads=[contents(s) for s in statistics],
-                    packed=[] if inputs.tables else [window_packed],
+                    packed=[window_packed] if source.measures_replicas else [],
                     already_unscaled=True,
                 ),
                 # Each replica reads its own copy of the window's sums.
@@ -309,14 +302,11 @@ class AdaptiveLossScaleOptimizer(
 
         self._window.add_and_decide(values, weight, packed, loss_finite, decide)
 
-    def _table_steps(self, inputs, regular):
-        rule = functools.partial(
-            layer_scaling.layer_log2_scales, underflow_rate=self.underflow_rate,
-            log2_headroom=math.log2(self.headroom), weigh=self._measurement.weights,
-        )
-        return layer_scaling.table_steps(
-            [t for _, t in inputs.tables], inputs.table_grads, inputs.variables,
-            regular, rule, self._policy,
+    def _scale_step(self, inputs, regular):
+        """The step's `scale_step.ScaleStep`, the mode's."""
+        return scale_step.for_policy(self._policy)(
+            self._policy, self._step_state.scale_state(), [t for _, t in inputs.tables],
+            inputs.table_grads, inputs.variables, regular,
         )
 
     def _log2_loss_scale(self, log2_current):
@@ -335,23 +325,21 @@ class AdaptiveLossScaleOptimizer(
             self.gradients_unscaled.value, 0.0, self._log2_loss_scale(log2_current)
         )
 
-    def _log2_divisors(self, state, steps, regular):
+    def _log2_divisors(self, source, regular):
         """Every gradient is divided by the scale it carries and, in an
         instrumented model, by its layer's; in float32 (a float16 scale of
         2**16 would be inf)."""
-        log2_loss_scale = self._log2_gradient_scale(state.log2_scale)
+        log2_loss_scale = self._log2_gradient_scale(source.state.log2_scale)
         log2_divisors = {i: log2_loss_scale for i in regular}
-        for step in steps:
-            for i, log2_unit in step.log2_divisors().items():
-                log2_divisors[i] = log2_divisors[i] + log2_unit
+        for i, log2_unit in source.log2_divisors().items():
+            log2_divisors[i] = log2_divisors[i] + log2_unit
         return log2_divisors
 
     def _decide(self, inputs, apply_fn, loss_finite):
         """The step pipeline: observe, decide, apply or skip, write the state."""
         regular = self._regular(inputs.variables)
-        state = self._step_state.scale_state()
-        steps = self._table_steps(inputs, regular)
-        log2_divisors = self._log2_divisors(state, steps, regular)
+        source = self._scale_step(inputs, regular)
+        log2_divisors = self._log2_divisors(source, regular)
         weights = [inputs.variables[i] for i in regular]
         rows = [keras_internals.variable_index(self, v) for v in weights]
 
@@ -373,26 +361,22 @@ class AdaptiveLossScaleOptimizer(
         # whether it is finite and whether it holds any nonzero value.
         each = measurement.Measurement.statistics([unscaled[i] for i in regular]) if regular \
             else None
-        finite_each, finite = self._finite(applied, regular, loss_finite, steps, each)
-        scheduled = ops.equal(state.steps_to_measure, 0)
+        finite_each, finite = self._finite(applied, regular, loss_finite, source, each)
+        scheduled = ops.equal(source.state.steps_to_measure, 0)
         # Only variables overwritten with their gradients: nothing to measure.
-        measure = ops.logical_and(scheduled, finite) if regular else _any([])
-        if steps and not step_programs.is_measuring():  # a per-layer plain program
-            measure = _any([])
-        applies = finite
-        if not steps:  # a step whose gradients all underflowed is not applied as one
-            seen = each.total().max_abs > 0 if regular else _any([])
-            blind = self._policy.blind(state, measure, seen)
-            applies = ops.logical_and(finite, ops.logical_not(blind))
+        measure = source.measured(ops.logical_and(scheduled, finite)) if regular else _any([])
+        seen = each.total().max_abs > 0 if regular else _any([])
+        applies = source.applies(finite, measure, seen)
         self._apply_or_skip(applies, applied, transform, apply_fn, clipping_record)
-        if regular:
-            self._record(regular, rows, each, finite, finite_each, measure, inputs.packed)
-        new = self._next_state(state, steps, unscaled, finite, loss_finite, measure, scheduled)
+        latest = (self._record(regular, rows, each, finite, finite_each, measure, inputs.packed)
+                  if regular else self._measurement.latest())
+        new = source.next_state(
+            scale_step.observation(finite, loss_finite, measure), unscaled, latest)
         # Reported at the scale the next steps use.
-        self._measurement.report_underflow(measure, new.log2_scale)
+        self._measurement.report_underflow(measure, new.log2_scale, self._policy.rule, latest)
         self._step_state.write(new, applies, loss_finite)
 
-    def _finite(self, applied, regular, loss_finite, steps, each):
+    def _finite(self, applied, regular, loss_finite, source, each):
         """Per regular gradient, whether what reaches its weight is finite;
         and whether the whole step is (its loss and backward pass too).
         Unclipped, what reaches a weight is the unscaled gradient, whose
@@ -416,9 +400,7 @@ class AdaptiveLossScaleOptimizer(
         all_finite = ops.all(finite_each) if self._clippers or not regular \
             else ops.equal(each.total().non_finite, 0)
         finite = ops.logical_and(_all([all_finite] + overwritten), loss_finite)
-        for step in steps:
-            finite = ops.logical_and(finite, step.backward_finite())
-        return finite_each, finite
+        return finite_each, ops.logical_and(finite, source.backward_finite())
 
     def _apply_or_skip(self, applies, applied, transform, apply_fn, clipping_record):
         acted, commit_clipping = clipping_record
@@ -441,20 +423,11 @@ class AdaptiveLossScaleOptimizer(
 
     def _record(self, regular, rows, each, finite, finite_each, measure, packed):
         """Flags non-finite gradients (on a skipped step) and, on a measured
-        one, records the statistics `each`, per variable at its row."""
+        one, records the statistics `each`, per variable at its row; returns
+        the `measurement.Latest` statistics."""
         self._step_state.note_non_finite(finite, finite_each, [[row] for row in rows])
-        self._measurement.record(measure, each, rows, self._step_state.total_steps.value,
-                                 *packed)
-
-    def _next_state(self, state, steps, unscaled, finite, loss_finite, measure, scheduled):
-        """The policy's next state (per layer, each table writes its own)."""
-        if not steps:
-            proposed, seen = self._measurement.proposal(math.log2(self.headroom))
-            return self._policy.next_state(state, scale_policy.Observation(
-                finite=finite, loss_finite=loss_finite, measured=measure,
-                proposed=proposed, seen=seen,
-            ))
-        return layer_scaling.advance(steps, state, unscaled, finite, loss_finite, scheduled)
+        return self._measurement.record(
+            measure, each, rows, self._step_state.total_steps.value, self._policy.rule, *packed)
 
     def _regular(self, variables):
         """Indices of the variables updated from their gradients."""
@@ -489,6 +462,105 @@ class AdaptiveLossScaleOptimizer(
             self, optimizer_variables, grads, trainable_variables
         )
 
+    # The tf-keras loss-scaling API, for loops written for tf-keras.
+
+    @backends.not_converted
+    def get_scaled_loss(self, loss):
+        """Legacy tf-keras name of `scale_loss` (`loss` may be a callable).
+
+        Args:
+            loss: The loss, or a callable returning it.
+
+        Returns:
+            The scaled loss (a callable returning it, for a callable).
+        """
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
+        return self.scale_loss(loss)
+
+    @backends.not_converted
+    def get_unscaled_gradients(self, grads):
+        """Legacy tf-keras API: divides `grads` by the scale of this step's
+        loss, and marks the step: the next `apply` takes its gradients as
+        unscaled, unless a `scale_loss` begins a new step first
+        (docs/custom_loops.md, "The step protocol").
+
+        Args:
+            grads: Gradients of the scaled loss (None entries kept; sparse
+                ones stay sparse).
+
+        Returns:
+            The list of unscaled gradients.
+        """
+        legacy_api.check_unscaling(self.policy)
+        log2_current = ops.round(ops.log2(self.dynamic_scale.value))
+        self.gradients_unscaled.assign(True)
+        return legacy_api.unscaled(grads, self._log2_loss_scale(log2_current))
+
+    # Host-side reads of what the optimizer measured and counted.
+
+    def read(self):
+        """What the optimizer measured and counted, read on the host (all
+        that `tas.ScaleMonitor` reports).
+
+        Returns:
+            A `measurement.Reading`.
+        """
+        state = self._step_state
+        return measurement.read(
+            self._measurement, self.dynamic_scale, state.total_steps, state.skipped_steps,
+            state.last_loss_finite, self.clipped_steps, self.policy, self.gradient_scales(),
+        )
+
+    def gradient_scales(self):
+        """Per variable the optimizer was built for, `(layer name, log2 of the
+        scale its gradient carries)` (per layer, its unit's), None for an
+        instrumented model's own statistics; empty before `build`."""
+        if not self.built:
+            return []
+        return measurement.gradient_scales(
+            keras_internals.built_variables(self), self._scale_tables, self.dynamic_scale
+        )
+
+    def stalled_layers(self):
+        """The layers whose gradients were not finite on the last skipped
+        step, nearest the loss last."""
+        return measurement.stalled_layers(self.non_finite_gradients, self.gradient_scales())
+
+    def check_progress(self):
+        """Raises `SkippedStepsError`, saying why and where, after
+        `max_consecutive_skips` consecutive skipped steps (for custom loops;
+        in `fit`, `tas.ScaleMonitor` calls it).
+
+        Raises:
+            SkippedStepsError: When the limit is reached.
+        """
+        limit = self.max_consecutive_skips
+        skips = int(self.consecutive_skips.numpy()) if self.built else 0
+        if limit is not None and skips >= limit:
+            raise measurement.SkippedStepsError(measurement.stall_report(
+                skips, int(self.total_steps.numpy()), limit,
+                bool(self.last_loss_finite.numpy()), self.stalled_layers(),
+            ))
+
+    def micro_batches_taken(self):
+        """Micro-batches taken so far, read on the host: steps (applied and
+        skipped) times `accumulation_steps`, and the open window's. Where a
+        step count kept on the host starts (`step_programs.Schedule`)."""
+        if not self.built:
+            return 0
+        window = getattr(self, "_window", None)
+        open_window = 0 if window is None else int(window.count.numpy())
+        return int(self.total_steps.numpy()) * self.accumulation_steps + open_window
+
+    def layer_scales(self):
+        """The current per-layer scales by layer name (per-layer mode), as
+        Python floats; empty before the first step."""
+        scales = {}
+        for table in getattr(self, "_scale_tables", []):
+            scales.update(table.scales())
+        return scales
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         # The parent pops from `config`; leave the caller's dict intact.
@@ -510,6 +582,26 @@ class _Inputs(typing.NamedTuple):
     variables: list
     already_unscaled: bool
     tables: list
+
+
+def _protocol_state(initial_scale):
+    """Made before `build`, for `scale_loss`'s first trace: the scale, the
+    non-finite losses since the last step (summed over replicas: bad data,
+    not an overflow), the scale the loss was multiplied by (0: none; the mode
+    may be resolved between `scale_loss` and `apply`), and whether the caller
+    unscaled this step's gradients already (`get_unscaled_gradients`): the
+    step protocol, in variables so that eager and traced calls, in one
+    function or several, agree."""
+    return (
+        StateVariable("dynamic_scale", initial_scale),
+        StateVariable("non_finite_losses", aggregation="sum"),
+        StateVariable("loss_scale_used"),
+        StateVariable("gradients_unscaled", False, dtype="bool"),
+    )
+
+
+# Applied steps on which a clipper acted.
+_CLIPPING_STATE = (StateVariable("clipped_steps", 0, dtype=backends.COUNTER_DTYPE),)
 
 
 def _trained(var_list):

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from keras import ops
 
+from tf_adaptive_scale import adaptive_rule
 from tf_adaptive_scale import float16
 
 # Binades a scale rises when a measurement saw no nonzero gradient at all
@@ -94,6 +95,8 @@ class Policy:
 
     Args:
         update_every: Steps between two measurements.
+        rule: The `AdaptiveRule` its measurements are read with (default
+            arguments if None).
     """
 
     name = None
@@ -102,8 +105,9 @@ class Policy:
     in_float16 = True
     default_log2_max = float16.GLOBAL_MAX_EXPONENT
 
-    def __init__(self, update_every):
+    def __init__(self, update_every, rule=None):
         self.update_every = update_every
+        self.rule = rule or adaptive_rule.AdaptiveRule()
 
     @classmethod
     def make(cls, **arguments):
@@ -208,6 +212,7 @@ class DynamicScaling(Policy):
         hysteresis: Consecutive overflows before it halves.
         log2_min: Exponent of the smallest scale.
         log2_max: Exponent of the largest scale.
+        rule: See `Policy`.
 
     Example:
 
@@ -216,8 +221,9 @@ class DynamicScaling(Policy):
 
     name = "dynamic"
 
-    def __init__(self, update_every, growth_steps, hysteresis, log2_min, log2_max):
-        super().__init__(update_every)
+    def __init__(self, update_every, growth_steps, hysteresis, log2_min, log2_max,
+                 rule=None):
+        super().__init__(update_every, rule)
         self.growth_steps = growth_steps
         self._bound(hysteresis, log2_min, log2_max)
 
@@ -292,6 +298,7 @@ class AdaptiveScaling(Policy):
         log2_min: Exponent of the smallest scale.
         log2_max: Exponent of the largest scale.
         max_rise: Optional most binades the scale may rise in one update.
+        rule: The `AdaptiveRule` that proposes the scale.
 
     Example:
 
@@ -300,8 +307,9 @@ class AdaptiveScaling(Policy):
 
     name = "adaptive"
 
-    def __init__(self, update_every, hysteresis, log2_min, log2_max, max_rise=None):
-        super().__init__(update_every)
+    def __init__(self, update_every, hysteresis, log2_min, log2_max, max_rise=None,
+                 rule=None):
+        super().__init__(update_every, rule)
         self.max_rise = max_rise
         self._bound(hysteresis, log2_min, log2_max)
 
@@ -485,7 +493,7 @@ SCALING_MODES = tuple(MODES)
 
 
 def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
-                log2_max, max_rise=None):
+                log2_max, max_rise=None, rule=None):
     """The policy object for a scaling mode.
 
     Args:
@@ -496,13 +504,14 @@ def make_policy(scaling, update_every, growth_steps, hysteresis, log2_min,
         log2_min: Exponent of the smallest scale.
         log2_max: Exponent of the largest scale.
         max_rise: Optional most binades an adaptive scale rises per update.
+        rule: Optional `AdaptiveRule` (default arguments if None).
 
     Returns:
         A `Policy`.
     """
     return MODES[scaling].make(
         update_every=update_every, growth_steps=growth_steps, hysteresis=hysteresis,
-        log2_min=log2_min, log2_max=log2_max, max_rise=max_rise,
+        log2_min=log2_min, log2_max=log2_max, max_rise=max_rise, rule=rule,
     )
 
 

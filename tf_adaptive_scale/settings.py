@@ -12,6 +12,7 @@ import math
 
 import keras
 
+from tf_adaptive_scale import adaptive_rule
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import scale_policy
@@ -193,6 +194,8 @@ class Settings:
         return scale_policy.make_policy(
             scaling, self.update_every, self.dynamic_growth_steps, self.hysteresis,
             math.log2(self.min_scale), math.log2(max_scale), self.max_scale_rise,
+            adaptive_rule.AdaptiveRule(
+                self.underflow_rate, math.log2(self.headroom), self.underflow_criterion),
         )
 
     def clipping_chain(self):

@@ -12,36 +12,43 @@ from tf_adaptive_scale import backends
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import scale_policy
+from tf_adaptive_scale.optimizer_state import StateVariable
+
+
+def declared(num_variables):
+    """The step state's variables (`optimizer_state.StateVariable`s).
+
+    Args:
+        num_variables: How many variables the optimizer trains.
+    """
+    counter = backends.COUNTER_DTYPE  # int64 on TF, as stock's (checkpoints)
+    return (
+        StateVariable("step_counter", 0, dtype=counter),
+        StateVariable("overflow_streak", 0, dtype="int32"),
+        StateVariable("scale_ceiling", 2.0**float16.NO_CAP_EXPONENT),
+        StateVariable("steps_to_measure", 0, dtype="int32"),
+        StateVariable("calibrated", False, dtype="bool"),
+        StateVariable("total_steps", 0, dtype=counter),
+        StateVariable("skipped_steps", 0, dtype=counter),
+        StateVariable("consecutive_skips", 0, dtype=counter),
+        StateVariable("last_loss_finite", True, dtype="bool"),
+        # 1 where the last skipped step's gradient of a variable was not finite.
+        StateVariable("non_finite_gradients", 0.0, shape=(num_variables,)),
+        StateVariable("last_step_finite", True, dtype="bool"),
+    )
 
 
 class StepState:
-    """The variables, created through the optimizer's `_add_state` (so they
-    are saved with it, in this order, and read as its attributes).
+    """Reads and writes the declared step state.
 
     Args:
-        add_state: `add_state(name, value, shape=(), dtype="float32")`, a
-            new optimizer variable.
+        variables: The variables of `declared(...)`, by name.
         loss_scale: The optimizer's scale variable (made before `build`).
-        num_variables: How many variables the optimizer trains.
     """
 
-    def __init__(self, add_state, loss_scale, num_variables):
-        counter = backends.COUNTER_DTYPE  # int64 on TF, as stock's (checkpoints)
+    def __init__(self, variables, loss_scale):
+        self.__dict__.update(vars(variables))
         self.loss_scale = loss_scale
-        self.step_counter = add_state("step_counter", 0, dtype=counter)
-        self.overflow_streak = add_state("overflow_streak", 0, dtype="int32")
-        self.scale_ceiling = add_state("scale_ceiling", 2.0**float16.NO_CAP_EXPONENT)
-        self.steps_to_measure = add_state("steps_to_measure", 0, dtype="int32")
-        self.calibrated = add_state("calibrated", False, dtype="bool")
-        self.total_steps = add_state("total_steps", 0, dtype=counter)
-        self.skipped_steps = add_state("skipped_steps", 0, dtype=counter)
-        self.consecutive_skips = add_state("consecutive_skips", 0, dtype=counter)
-        self.last_loss_finite = add_state("last_loss_finite", True, dtype="bool")
-        # 1 where the last skipped step's gradient of a variable was not finite.
-        self.non_finite_gradients = add_state(
-            "non_finite_gradients", 0.0, shape=(num_variables,)
-        )
-        self.last_step_finite = add_state("last_step_finite", True, dtype="bool")
 
     def scale_state(self):
         """The `ScaleState` the step runs with."""

@@ -1,0 +1,95 @@
+"""The optimizer's state is what it declares: one variable per declared
+entry, readable ones as attributes, each clipper instance its own."""
+
+import numpy as np
+import pytest
+import keras
+
+import tf_adaptive_scale as tas
+from tf_adaptive_scale import keras_internals
+from tf_adaptive_scale import optimizer_state
+from helpers import three_layer_mlp
+from test_clipping import LR, check_step, random_grads, ref_global, setup
+
+
+def test_two_autoclip_clippers_keep_separate_histories():
+    # The first clips to the 25th percentile of its 4 last norms; the second
+    # sees what the first let through and keeps its own 3 last norms.
+    chain = [tas.clipping.AutoClip(25.0, window=4), tas.clipping.AutoClip(50.0, window=3)]
+    opt, variables, step = setup(clippers=chain)
+    assert opt.norm_history.shape == (4,) and opt.auto_clip_1_norm_history.shape == (3,)
+    rng = np.random.default_rng(7)
+    first, second = [], []
+    for magnitude in [1.0, 4.0, 0.5, 8.0, 0.1, 2.0]:
+        grads = random_grads(variables, rng, magnitude)
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads))
+        first = (first + [norm])[-4:]
+        clipped = ref_global(np.percentile(first, 25.0))(grads, None)
+        through = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in clipped))
+        second = (second + [through])[-3:]
+
+        def both(gs, _, clipped=clipped, threshold=np.percentile(second, 50.0)):
+            return ref_global(threshold)(clipped, None)
+
+        check_step(opt, variables, step, grads, both)
+    np.testing.assert_allclose(np.sort(opt.norm_history.numpy()), np.sort(first), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.sort(opt.auto_clip_1_norm_history.numpy()), np.sort(second), rtol=1e-5)
+    assert int(opt.norm_history_count) == int(opt.auto_clip_1_norm_history_count) == 6
+
+
+def _adaptive(**kwargs):
+    model = three_layer_mlp()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), **kwargs)
+    opt.build(model.trainable_variables)
+    return opt
+
+
+def _per_layer():
+    model = tas.instrument(three_layer_mlp())
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), scaling="per_layer")
+    opt.build(model.trainable_variables)
+    return opt
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _adaptive(),
+    lambda: _adaptive(scaling="dynamic", accumulation_steps=3),
+    lambda: _adaptive(clippers=[tas.clipping.AutoClip(90.0, per_variable=True),
+                                tas.clipping.ClipByNorm(1.0),
+                                tas.clipping.AutoClip(50.0, window=8)]),
+    _per_layer,
+], ids=["adaptive", "accumulation", "clippers", "per_layer"])
+def test_the_optimizer_variables_are_exactly_its_declared_state(make):
+    opt = make()
+    declared = opt.declared_state()
+    # Keras's base optimizer makes two of its own first.
+    keras_made, own = (keras_internals.own_variables(opt)[:2],
+                       keras_internals.own_variables(opt)[2:])
+    assert [v.name for v in keras_made] == ["iteration", "learning_rate"]
+    assert [v.name for v in own] == [d.name for d in declared]
+    for variable, spec in zip(own, declared):
+        assert tuple(variable.shape) == tuple(spec.shape), spec.name
+        assert variable.dtype == keras.backend.standardize_dtype(spec.dtype), spec.name
+        # A mode without a loss scale sets it to 1 when it is resolved.
+        initial = 1.0 if spec.name == "dynamic_scale" and opt.policy and not opt.policy.scales_loss \
+            else spec.initial
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable),
+                                      np.full(spec.shape, initial))
+        if spec.readable:
+            assert getattr(opt, spec.name) is variable
+        else:
+            assert not hasattr(opt, spec.name)
+    # Every variable the optimizer reads as an attribute is declared.
+    attributes = {name for name, value in vars(opt).items() if isinstance(value, keras.Variable)}
+    assert attributes - {"_iterations", "_learning_rate"} == {
+        d.name for d in declared if d.readable}
+
+
+def test_a_name_declared_twice_is_refused():
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR))
+    twice = [optimizer_state.StateVariable("extra"), optimizer_state.StateVariable("extra")]
+    with pytest.raises(ValueError, match="'extra' is declared twice"):
+        opt._make_state(twice)
+    with pytest.raises(ValueError, match="'skipped_steps' is declared twice"):
+        _adaptive()._make_state([optimizer_state.StateVariable("skipped_steps")])
