@@ -1,7 +1,7 @@
 """Pictures of a training run's loss-scaling monitor log.
 
 `plot_report` reads the JSON-lines log that the scale monitor writes into its
-`log_dir` (`scale_monitor.jsonl`), or the epoch-level metrics of a
+`log_dir` (`monitor_log.FILE_NAME`), or the epoch-level metrics of a
 `keras.callbacks.History`, and writes PNG pictures of the scales, gradient
 norms, gradient exponents and skipped steps. The same works from a shell:
 
@@ -11,17 +11,15 @@ Matplotlib is an optional dependency: `pip install tf_adaptive_scale[plot]`.
 """
 
 import argparse
-import json
 import math
 import os
 import textwrap
-import warnings
 
 import numpy as np
 
 from tf_adaptive_scale import float16
+from tf_adaptive_scale import monitor_log
 
-LOG_FILE = "scale_monitor.jsonl"
 MAX_LEGEND_LAYERS = 12
 # Fewer reports than this are drawn with a marker at each (one point draws
 # no line).
@@ -45,34 +43,28 @@ def float16_zones():
 def plot_report(source, out_dir):
     """Writes PNG pictures of a loss-scaling monitor log to `out_dir`.
 
-    The pictures are `scales.png` (log2 of every layer's scale and of the
-    global loss scale), `gradient_norms.png` (a heatmap of the layers' gradient
-    norms over the reports), `histograms.png` (each layer's gradient exponents
-    at the last report, shifted by its scale, against float16's range) and
-    `loss_and_skips.png` (the loss and the skipped steps, and a dotted line
-    at each report that flagged something, labelled with what and where;
-    flagged layers' histograms have red titles naming the flags). Each PNG
-    stores its title in its metadata, under "Title".
+    `scales.png` (log2 of each layer's scale and of the global loss scale),
+    `gradient_norms.png` (a heatmap of the layers' gradient norms),
+    `histograms.png` (each layer's last gradient exponents, shifted by its
+    scale, against float16's range; flagged layers' titles in red) and
+    `loss_and_skips.png` (the loss, skipped steps, a dotted line at each
+    flag). Each PNG stores its title in its metadata, under "Title".
 
     Args:
-        source: The path of a JSON-lines monitor log, a directory holding
-            `scale_monitor.jsonl`, a `keras.callbacks.History` or its
-            `.history` dict. A `History` has no histograms and one value per
-            epoch, so it gives no `histograms.png` and its steps are epochs.
+        source: A JSON-lines monitor log, a directory holding one, a
+            `keras.callbacks.History` or its `.history` dict (one value per
+            epoch, no histograms).
         out_dir: The directory to write to; created if missing.
 
     Returns:
-        The list of the paths written. Pictures without data (the per-layer
-        ones of a run without layers, the histograms of a `History`) are not
-        written and not listed.
+        The list of the paths written (a picture without data is not).
 
     Example:
 
     ```python
     for path in tas.plot_report("logs/scale_monitor.jsonl", "report"):
         print(path)
-    history = model.fit(x, y, epochs=5)
-    tas.plot_report(history, "report")  # No histograms.png.
+    tas.plot_report(model.fit(x, y, epochs=5), "report")  # No histograms.png.
     ```
     """
     try:
@@ -84,25 +76,15 @@ def plot_report(source, out_dir):
 
     run = _load(source)
     os.makedirs(out_dir, exist_ok=True)
-    drawings = [("scales.png", "Loss scale per layer", _draw_scales)]
-    if run["layers"]:
-        drawings.append(
-            ("gradient_norms.png", "Gradient norm per layer", _draw_gradient_norms)
-        )
-    if run["histograms"]:
-        drawings.append(
-            ("histograms.png", "Gradient exponents vs float16 range", _draw_histograms)
-        )
-    drawings.append(("loss_and_skips.png", "Loss and skipped steps", _draw_loss_and_skips))
-
     paths = []
-    for file_name, title, draw in drawings:
+    for file_name, title, draw, drawn in PICTURES:
+        if not drawn(run):
+            continue
         fig = Figure(layout="constrained")
         draw(fig, run)
         fig.suptitle(title)
-        path = os.path.join(out_dir, file_name)
-        fig.savefig(path, metadata={"Title": title})
-        paths.append(path)
+        paths.append(os.path.join(out_dir, file_name))
+        fig.savefig(paths[-1], metadata={"Title": title})
     return paths
 
 
@@ -114,64 +96,45 @@ def _load(source):
         return _from_history(source)
     path = os.fspath(source)
     if os.path.isdir(path):
-        path = os.path.join(path, LOG_FILE)
+        path = os.path.join(path, monitor_log.FILE_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"No scale monitor log at {path}")
-    records = _records(path)
+    records = monitor_log.read_lines(path)
     if not records:
         raise ValueError(f"The scale monitor log {path} has no records")
     return _from_records(records)
 
 
-def _records(path):
-    """The JSON lines of `path`; a cut last line (a run killed while writing
-    it) is skipped with a warning, a bad line elsewhere is an error."""
-    with open(path) as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    records = []
-    for i, (number, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if i + 1 < len(lines):
-                raise ValueError(f"{path}, line {number}: not a JSON record ({error})") from None
-            warnings.warn(f"{path}, line {number}: skipped a cut last line "
-                          "(the run was stopped while writing it)", stacklevel=3)
-    return records
-
-
 def _from_records(records):
-    """Columns of a JSON-lines log: one value per report."""
-    names = list(dict.fromkeys(n for r in records for n in r.get("layers", {})))
+    """Columns of a JSON-lines log (its dicts): one value per report."""
+    records = [monitor_log.LogRecord.from_json(r) for r in records]
+    names = list(dict.fromkeys(n for r in records for n in r.layers))
     layers = {
         name: {
-            metric: _column([r.get("layers", {}).get(name, {}).get(metric) for r in records])
+            metric: _column([getattr(r.layers.get(name), metric, None) for r in records])
             for metric in ("grad_norm", "scale")
         }
         for name in names
     }
     histograms = {}  # Each layer's last histogram, as (exponents, counts).
     for record in records:
-        for name, layer in record.get("layers", {}).items():
-            if "histogram" in layer:
-                counts = np.asarray(layer["histogram"], dtype=float)
-                shift = record["exponent_min"] + np.log2(layer["scale"])
+        for name, layer in record.layers.items():
+            if layer.histogram is not None:
+                counts = np.asarray(layer.histogram, dtype=float)
+                shift = record.exponent_min + np.log2(layer.scale)
                 histograms[name] = (np.arange(len(counts)) + shift, counts)
-    skipped_at = sorted(s for r in records for s in r.get("skipped_at") or [])
-    flags = [(r["step"], f["kind"], f["layer"]) for r in records for f in r.get("flags", [])]
     return {
         "step_label": "step",
-        "steps": np.array([r["step"] for r in records]),
-        # The mean loss since the report before (older logs: Keras's
-        # running epoch mean, which jumps at every epoch).
-        "loss": _column([r.get("interval_loss", r.get("loss")) for r in records]),
-        # The global scale means nothing per layer or without scaling.
-        "global_scale": records[-1].get("scaling") not in ("per_layer", "none"),
-        "loss_scale": _column([r.get("loss_scale") for r in records]),
-        "skipped_steps": _column([r.get("skipped_steps") for r in records]),
-        "skipped_since_last": _column([r.get("skipped_since_last") for r in records]),
-        "skipped_at": skipped_at,
-        "flags": flags,
+        "steps": np.array([r.step for r in records]),
+        # The mean loss since the report before (other reports: the loss
+        # given, in `fit` Keras's running epoch mean, which jumps at every epoch).
+        "loss": _column([r.interval_loss if r.from_fit else r.loss for r in records]),
+        "global_scale": records[-1].global_scale,
+        "loss_scale": _column([r.loss_scale for r in records]),
+        "skipped_steps": _column([r.skipped_steps for r in records]),
+        "skipped_since_last": _column([r.skipped_since_last for r in records]),
+        "skipped_at": sorted(s for r in records for s in r.skipped_at or []),
+        "flags": [(r.step, kind, layer) for r in records for kind, layer in r.flags],
         "layers": layers,
         "histograms": histograms,
     }
@@ -320,13 +283,26 @@ def _draw_loss_and_skips(fig, run):
     twin.legend(handles + twin_handles, labels + twin_labels, fontsize="small")
 
 
+# The pictures, in order: file name, title, drawing, and whether a run's
+# columns hold its data.
+PICTURES = (
+    ("scales.png", "Loss scale per layer", _draw_scales, lambda run: True),
+    ("gradient_norms.png", "Gradient norm per layer", _draw_gradient_norms,
+     lambda run: run["layers"]),
+    ("histograms.png", "Gradient exponents vs float16 range", _draw_histograms,
+     lambda run: run["histograms"]),
+    ("loss_and_skips.png", "Loss and skipped steps", _draw_loss_and_skips,
+     lambda run: True),
+)
+
+
 def main(argv=None):
     """Command line: writes the pictures of a monitor log and prints their paths."""
     parser = argparse.ArgumentParser(
         prog="python -m tf_adaptive_scale.report",
         description="Writes PNG pictures of a loss-scaling monitor log.",
     )
-    parser.add_argument("log", help=f"a JSON-lines monitor log, or a directory holding {LOG_FILE}")
+    parser.add_argument("log", help=f"a JSON-lines monitor log, or a directory holding {monitor_log.FILE_NAME}")
     parser.add_argument("--out", required=True, help="the directory to write the pictures to")
     args = parser.parse_args(argv)
     for path in plot_report(args.log, args.out):
