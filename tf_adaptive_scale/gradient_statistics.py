@@ -155,26 +155,8 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         `squares`, `(num_groups,)`; zero for an empty group.
     """
     flat = _flat_values(tensors)
-    sampled = [_strided_sample(f, sample) for f in flat]
-    tall = [i for i, t in enumerate(tensors) if _is_tall(t, sample)]
-    # A tall tensor's rows outnumber the sample: a second sample from the
-    # rows holding its largest values, counted in rows after the others'.
-    sampled += [_strided_sample(_top_rows(tensors[i], sample), sample) for i in tall]
-    counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
-    weights = np.array([weight for _, weight in sampled], "float32")
-    counts = counts * weights[:, None]
-    if tall:
-        counts = _with_tall_rows(counts, tensors, tall)
-    exact = [i for i, (t, (_, weight)) in enumerate(zip(tensors, sampled))
-             if weight == 1.0 and sparse.is_sparse(t)]
-    if exact:  # every row: a sparse gradient's norm is of its rows summed
-        summed = [ops.reshape(sparse.values(sparse.summed(tensors[i])), (-1,)) for i in exact]
-        squares = ops.scatter_update(
-            counts[:, _SQUARES], [[i] for i in exact],
-            ops.stack([ops.sum(_of_finite(ops.square, s)) for s in summed]),
-        )
-        counts = ops.concatenate([counts[:, :_SQUARES], squares[:, None]], axis=1)
-    counts = _per_group(ops.segment_sum, counts, groups, num_groups)
+    counts = _per_group(ops.segment_sum, _counts(tensors, flat, log2_scale, sample),
+                        groups, num_groups)
     non_finite = counts[:, _NON_FINITE_BIN]
     if sample is None:
         peaks = _per_group(ops.segment_max, [ops.max(_of_finite(ops.abs, f)) for f in flat],
@@ -192,6 +174,32 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         squares=counts[:, _SQUARES],
         counts=counts,
     )
+
+
+def _counts(tensors, flat, log2_scale, sample):
+    """Each tensor's counts (`_counts_per_tensor`'s columns), from its sample
+    (`sample`: None, all its values) scaled to its size."""
+    sampled = [_strided_sample(f, sample) for f in flat]
+    tall = [i for i, t in enumerate(tensors) if _is_tall(t, sample)]
+    # A tall tensor's rows outnumber the sample: a second sample from the
+    # rows holding its largest values, counted in rows after the others'.
+    sampled += [_strided_sample(_top_rows(tensors[i], sample), sample) for i in tall]
+    counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
+    weights = np.array([weight for _, weight in sampled], "float32")
+    counts = counts * weights[:, None]
+    if tall:
+        counts = _with_tall_rows(counts, tensors, tall)
+    exact = [i for i, (t, (_, weight)) in enumerate(zip(tensors, sampled))
+             if weight == 1.0 and sparse.is_sparse(t)]
+    if not exact:
+        return counts
+    # Every row: a sparse gradient's norm is of its rows summed.
+    summed = [ops.reshape(sparse.values(sparse.summed(tensors[i])), (-1,)) for i in exact]
+    squares = ops.scatter_update(
+        counts[:, _SQUARES], [[i] for i in exact],
+        ops.stack([ops.sum(_of_finite(ops.square, s)) for s in summed]),
+    )
+    return ops.concatenate([counts[:, :_SQUARES], squares[:, None]], axis=1)
 
 
 def _is_tall(tensor, size):

@@ -18,25 +18,13 @@ from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
 def instrument(model, initial_scale=1.0):
     """Returns a model with per-layer gradient scales, sharing `model`'s weights.
 
-    Every layer, and every operation applied to symbolic tensors (`h + x`,
-    `keras.ops.tanh(h)`, the masks that `mask_zero`/`Masking` compute), becomes
-    a unit with its own loss scale; a `GradientScale` boundary on each graph
-    edge converts gradients between the consumer's and the producer's scales,
-    so gradients meeting at a fork are summed at one scale; masks pass through
-    the boundaries. Nested Sequential/Functional models are inlined (their
-    layers become units), except where a call passes them more than their
-    inputs, mask and `training=False`, or where their layer names would clash
-    with others (two sub-models from one factory with a named layer): such a
-    model is one unit. Operations sharing a variable share a unit, as do
-    an operation and the variables its call reads (`Lambda` closures
-    included: a trace of each call finds them); a variable that no
-    operation holds or is called on, read in a call, is refused. Model
-    outputs are cast to float32 by their boundaries, so the loss gradient
-    is scaled before any float16 rounding; gradients enter at the
-    outputs and leave at the inputs at scale 1, so an instrumented model can
-    be used as a block inside any model (a subclassed one included), with its
-    own scales, and keeps the original's `output_names`. The original model
-    is left as it is; both share the same weight variables.
+    Every layer and every operation on symbolic tensors becomes a unit with
+    its own loss scale; a `GradientScale` boundary on each graph edge converts
+    gradients between the consumer's and the producer's scales. Gradients
+    enter and leave at scale 1, so the result works as a block in any model.
+    Which layers become units, nested models and shared variables included,
+    is in docs/per_layer.md, "What becomes a unit". The original model is
+    left as it is.
 
     Train the result with `AdaptiveLossScaleOptimizer(..., scaling="per_layer")`.
 

@@ -385,29 +385,11 @@ class AdaptiveScaling(Policy):
 class PerLayerScaling(AdaptiveScaling):
     """Mode `"per_layer"`: the adaptive rule for every unit of a model.
 
-    `log2_scale` and `log2_ceiling` are vectors (one entry per unit); the
-    observation's `proposed`, `seen`, `origins`, `involved`, `weight_only`
-    and `cut` too. A clean measured step sets every unit by
-    `adaptive_update`; a unit that saw only zeros rises `UNSEEN_STEP`
-    binades up to its cap, and so at most does a unit whose values mostly
-    underflowed (`cut`): its scale was a guess the next update can
-    invalidate (the gradients behind a LayerScale initialised to 1e-6 grow
-    a thousandfold when Adam's first update moves it to 1e-3), and the next
-    step measures again (see `layer_scaling.TableStep.record`).
-
-    On an overflow only a measured step knows where it started: there,
-    after `hysteresis` overflows, the units where it started back off one
-    binade below the smaller of their scale and the rule's
-    (`WEIGHT_OVERFLOW_STEP` binades where only a weight-gradient sum
-    overflowed, which the rule cannot see), and are capped one binade down;
-    units the overflow did not reach take the rule's scale. The units it
-    reached, whose own gradients the non-finite values hid, drop as far as
-    the furthest origin did: their gradients come through it and grew with
-    it, so one overflow corrects every unit it reveals at once (not one
-    unit per skipped step), and the next, measured step sets them all from
-    clean statistics. Before the first clean measurement (`calibrated`),
-    when a loss far larger than expected would overflow every unit in turn,
-    they drop below the lowest unit that backed off instead.
+    `log2_scale` and `log2_ceiling` are vectors (one entry per unit), as are
+    the observation's per-unit fields. A clean measured step sets every unit
+    by `adaptive_update`; an overflow seen by a measured step backs off the
+    units where it started and drops the units it reached as far (see
+    `next_state`).
 
     Args: those of `AdaptiveScaling`, applied to every unit.
 
@@ -422,6 +404,25 @@ class PerLayerScaling(AdaptiveScaling):
     default_log2_max = float16.PER_LAYER_MAX_EXPONENT
     WEIGHT_OVERFLOW_STEP = 4.0
 
+    # A unit that saw only zeros rises `UNSEEN_STEP` binades up to its
+    # cap, and so at most does a unit whose values mostly underflowed
+    # (`cut`): its scale was a guess the next update can invalidate (the
+    # gradients behind a LayerScale initialised to 1e-6 grow a
+    # thousandfold when Adam's first update moves it to 1e-3), and the
+    # next step measures again (`layer_scaling.TableStep.record`).
+    #
+    # On an overflow only a measured step knows where it started: there,
+    # after `hysteresis` overflows, the units where it started back off
+    # one binade below the smaller of their scale and the rule's
+    # (`WEIGHT_OVERFLOW_STEP` binades where only a weight-gradient sum
+    # overflowed, which the rule cannot see), and are capped one binade
+    # down; units the overflow did not reach take the rule's scale. The
+    # units it reached, whose own gradients the non-finite values hid,
+    # drop as far as the furthest origin did: their gradients come
+    # through it and grew with it, so one overflow corrects every unit
+    # it reveals at once, and the next, measured step sets them all from
+    # clean statistics. Before the first clean measurement
+    # (`calibrated`) they drop below the lowest unit that backed off.
     def next_state(self, state, obs):
         overflow, streak, back_off = self._streak(state, obs, self.hysteresis)
         current, ceilings = state.log2_scale, state.log2_ceiling

@@ -23,28 +23,13 @@ def make_train_step(
 ):
     """Builds a compiled train step for a custom loop.
 
-    Everything a loop must get right is done once here: the optimizer is
-    built before tracing, the loss (with `model.losses`) is scaled as the
-    mode needs (globally, or not at all in per-layer mode), the gradients of
-    all trainable variables (an instrumented model's `statistics` included)
-    go to `optimizer.apply`, and what a monitor reads comes back as tensors
-    (no summaries inside XLA, no host synchronisation).
-
-    With `accumulation_steps=K`, each call runs one window of K micro-batches
-    (the batch split along its first axis, into sizes that differ by at most
-    one) one after the other, holding one micro-batch's activations at a
-    time. Their gradients are summed in float32 at the window's scale (per
-    layer in per-layer mode), each weighted by its share of the loss's
-    normaliser (`loss_normaliser`: the valid entries under a Keras mask, the
-    sample weights for `"mean_with_sample_weight"`, the samples otherwise;
-    a `"sum"` adds up), then checked, applied or skipped, and the scale
-    updated, once: an overflow in any micro-batch skips the window. The
-    result equals one step on the whole batch, for any Keras reduction; under
-    a strategy the normaliser is the global batch's. Several outputs of which
-    one's normaliser depends on the data (a mask) are refused with
-    `accumulation_steps > 1`, where no single weight is exact. An empty batch (a dataset's last, say) is
-    skipped: no weight or optimizer slot changes; `skipped_steps` counts it.
-    As in `model.fit`, AutoGraph is off: branch on tensors with `ops.cond`.
+    The optimizer is built before tracing, the loss (with `model.losses`) is
+    scaled as the mode needs, every trainable variable's gradient goes to
+    `optimizer.apply`, and what a monitor reads comes back as tensors (no
+    host synchronisation). With `accumulation_steps=K` each call runs one
+    window of K micro-batches, decided on once and equal to one step on the
+    whole batch (docs/custom_loops.md, "Gradient accumulation"). As in
+    `model.fit`, AutoGraph is off: branch on tensors with `ops.cond`.
 
     Args:
         model: A built Keras model, plain or made by `tas.instrument`.
