@@ -13,6 +13,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+# The tests that start a child Python process are marked `slow`; the fast
+# ones alone:
+#     python -m pytest -m "not slow"
 # The suite runs twice (README): on TensorFlow, everything but test_jax.py;
 # with KERAS_BACKEND=jax, the backend-neutral modules (one body runs both
 # execution paths: stateful `apply` on TensorFlow, `stateless_apply` on JAX)

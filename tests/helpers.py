@@ -428,15 +428,48 @@ def child_env(**overrides):
     return env
 
 
-def run_child(*args, cwd=ROOT, timeout=300, env=None, **overrides):
+# A child takes up to 80 s on a quiet 2-core machine (conftest.LONGEST_FIRST):
+# generous for one under load.
+CHILD_TIMEOUT = 900
+
+_CHILDREN = {}
+
+
+def child(*args, key=None, cwd=ROOT, timeout=CHILD_TIMEOUT, env=None, **overrides):
     """Runs `python *args` (`"-c", code, ...`, `"-m", module, ...` or a
     script) in a child of this checkout (`child_env(**overrides)`, or
-    `env`); asserts it exited 0; returns the `CompletedProcess`."""
-    result = subprocess.run(
-        [sys.executable, *args],
-        env=child_env(**overrides) if env is None else env,
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    )
+    `env`), once per `key` and session (by default the command, `cwd` and
+    environment); returns the `CompletedProcess`, whatever its exit status.
+
+    The outcome is cached, a timeout included: a child that timed out fails
+    this test and every later one that asks for it, without starting it
+    again (raised and not cached, the timeout started the same child for
+    every test that shares it: a loaded 2-core machine ran 43 minutes)."""
+    env = child_env(**overrides) if env is None else env
+    if key is None:
+        key = (args, str(cwd), tuple(sorted(env.items())))
+    if key not in _CHILDREN:
+        try:
+            _CHILDREN[key] = subprocess.run(
+                [sys.executable, *args], env=env, cwd=cwd,
+                capture_output=True, text=True, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as e:
+            _CHILDREN[key] = (
+                f"child {' '.join(map(str, args))[:300]} timed out after {e.timeout} s"
+                " (cached: not started again)"
+            )
+    outcome = _CHILDREN[key]
+    if isinstance(outcome, str):
+        import pytest
+
+        pytest.fail(outcome, pytrace=False)
+    return outcome
+
+
+def run_child(*args, **kwargs):
+    """`child(*args, **kwargs)`; asserts it exited 0."""
+    result = child(*args, **kwargs)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     return result
 

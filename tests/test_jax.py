@@ -72,6 +72,7 @@ def _child():
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # starts a child process
 class TestOneFreshJaxProcess:
     """What needs a fresh JAX process (`_child`, run once: one worker runs this class)."""
 

@@ -666,6 +666,7 @@ def loaded_on_the_other_backend(tmp_path_factory):
     return {"jax": jax_out, "tensorflow": printed.getvalue()}
 
 
+@pytest.mark.slow  # starts a child process
 class TestLoadOnTheOtherBackend:
     """The fixture runs once: one worker runs this class."""
 

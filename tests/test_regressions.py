@@ -152,6 +152,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # starts a child process
 def test_default_scaling_survives_save_and_load_in_a_float32_process(tmp_path):
     """Bug 2a: a loaded default-mode optimizer must unscale what it scales."""
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -26,8 +26,6 @@ loaded into a model whose optimizer is `AdaptiveLossScaleOptimizer`.
 
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -36,7 +34,7 @@ import keras
 import tensorflow as tf
 
 import resume_worker as rw
-from helpers import ROOT, child_env
+from helpers import ROOT, child
 
 WORKER = os.path.join(ROOT, "tests", "resume_worker.py")
 
@@ -136,15 +134,7 @@ def resumed(tmp_path_factory):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     output = os.path.join(workdir, "resumed.npz")
-    env = child_env()
-    proc = subprocess.run(
-        [sys.executable, WORKER, workdir, output],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = child(WORKER, workdir, output)
     if proc.returncode != 0 or not os.path.exists(output):
         pytest.fail(
             f"resume worker failed (exit status {proc.returncode})\n"
@@ -174,6 +164,7 @@ def _differences(names, expected, got):
     return worst, unequal
 
 
+@pytest.mark.slow  # starts a child process
 class TestFreshProcessResume:
     """Every mode and format restored in one fresh process (the `resumed` fixture: one worker runs this class)."""
 
