@@ -128,9 +128,8 @@ def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
 
 
 @pytest.mark.skipif(not TF, reason="one backend suffices for the large model's compile")
-def test_instrumented_keras_application_step_holds_no_conditional():
+def test_instrumented_keras_application_step_holds_no_conditional(float16_policy):
     # VGG16's 13 convolutions (MobileNet's 91 layers took a minute to compile).
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.applications.VGG16(
         weights=None, include_top=False, input_shape=(32, 32, 3), pooling="avg"
     )

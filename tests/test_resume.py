@@ -249,7 +249,7 @@ class TestStockCheckpoint:
     @pytest.mark.parametrize("fmt", ["checkpoint", "checkpoint_unbuilt", "keras"])
     @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
     def test_stock_loss_scale_checkpoint_restores_into_adaptive(
-            self, stock_saved, mode, fmt):
+            self, stock_saved, mode, fmt, float16_policy):
         """What a demanding user migrating from the stock optimizer wants: the
         restore does not raise; weights and the inner optimizer (iterations,
         slots) are restored bitwise; the scale is taken over; and, for `.keras`,
@@ -259,7 +259,6 @@ class TestStockCheckpoint:
         `model.load_weights`; checkpoints with `tf.train.Checkpoint(...).read`,
         into a built optimizer or (`checkpoint_unbuilt`) into one built after the
         read (TensorFlow's deferred restoration), as before the first `fit`."""
-        keras.mixed_precision.set_global_policy("mixed_float16")
         keras.utils.set_random_seed(rw.RESTORE_SEED)
         model = rw.make_model(mode)
         opt = rw.make_optimizer(mode)
