@@ -329,6 +329,20 @@ def stepper(optimizer, variables, jit=True):
     return step
 
 
+_STEPS = {}
+
+
+def compiled_once(objects, make, *extra):
+    """`make()`'s compiled step, made once per `objects` (an optimizer and
+    its variables) and `extra` in a test and reused: a new one would
+    compile again. Holds `objects` (their ids stay theirs); conftest
+    forgets them all after each test."""
+    key = (*map(id, objects), *extra)
+    if key not in _STEPS:
+        _STEPS[key] = (objects, make())
+    return _STEPS[key][1]
+
+
 def padded_sequences(n, seed=0, vocab=20, length=12, classes=5):
     """`n` token sequences padded with 0, of bucketed lengths (sorted, so
     that consecutive batches hold very different token counts), and a class

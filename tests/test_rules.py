@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import compiled_once
 
 INF = float("inf")
 LR = 0.5
@@ -33,29 +34,19 @@ def global_optimizer(shape=(8,), seed=0, **kwargs):
     return opt, var
 
 
-_STEPS = {}
-
-
-@pytest.fixture(autouse=True)
-def _steps_of_this_test():
-    yield
-    _STEPS.clear()
-
-
 def global_stepper(opt, variables):
     """An XLA step applying unscaled gradients `grads` as the gradients of
     `scale_loss(sum(v * g))` would arrive: multiplied by the current scale.
-    One per optimizer and variables in a test, reused (a new one would
-    compile again)."""
-    key = (id(opt), *(id(v) for v in variables))
-    if key not in _STEPS:
+    One per optimizer and variables in a test, reused."""
 
+    def make():
         @tf.function(jit_compile=True)
         def step(grads):
             opt.apply([g * opt.loss_scale for g in grads], variables)
 
-        _STEPS[key] = (opt, variables, lambda grads: step([tf.constant(g, "float32") for g in grads]))
-    return _STEPS[key][2]
+        return lambda grads: step([tf.constant(g, "float32") for g in grads])
+
+    return compiled_once((opt, *variables), make)
 
 
 def scales_after(opt, var, grads):

@@ -6,7 +6,7 @@ Backend-neutral: runs on TensorFlow and on JAX.
 import numpy as np
 import pytest
 import keras
-from helpers import JAX, INF, dense_model, stepper, tensor
+from helpers import JAX, INF, compiled_once, dense_model, stepper, tensor
 
 import tf_adaptive_scale as tas
 
@@ -17,22 +17,10 @@ def make(opt_kwargs, inner=None, shape=(4,)):
     return opt, var
 
 
-_STEPS = {}
-
-
-@pytest.fixture(autouse=True)
-def _steps_of_this_test():
-    yield
-    _STEPS.clear()
-
-
 def step_of(opt, var, jit=True):
     """`opt`'s compiled step on `var`: one per optimizer, variable and `jit`
-    in a test, reused by each of its `run`s (a new one would compile again)."""
-    key = (id(opt), id(var), jit)
-    if key not in _STEPS:
-        _STEPS[key] = (opt, var, stepper(opt, [var], jit))
-    return _STEPS[key][2]
+    in a test, reused by each of its `run`s."""
+    return compiled_once((opt, var), lambda: stepper(opt, [var], jit), jit)
 
 
 def run(opt, var, grads, jit=True):
