@@ -364,9 +364,8 @@ def masked_sequence_model(seed=1, vocab=20, length=12, classes=5):
     return keras.Model(inputs, layers.Dense(classes)(layers.Dense(8, activation="tanh")(h)))
 
 def conv_net():
-    """A small float16 convolutional model (sets `mixed_float16`), a batch
-    and mse targets."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """A small convolutional model (float16 under the `float16_policy`
+    fixture its tests use), a batch and mse targets."""
     model = keras.Sequential([
         keras.Input((8, 8, 4)),
         layers.Conv2D(8, 3, padding="same", activation="relu"),

@@ -291,7 +291,7 @@ def computations_under_conditionals(hlo):
     return {name: bodies[name] for name in seen}
 
 
-def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional():
+def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional(float16_policy):
     """XLA on CPU compiles convolutions inside a conditional as naive loops
     (50x slower): the per-layer step holds none, and every convolution of
     the stock step."""
@@ -330,7 +330,7 @@ def test_weight_update_compiles_to_selects_as_stock(per_layer, float16_policy):
     ]
 
 
-def test_instrumented_model_traces_its_first_step_once():
+def test_instrumented_model_traces_its_first_step_once(float16_policy):
     """`compile` builds the optimizer, so the first step creates no variable
     and TensorFlow traces it once, not twice (stock Keras builds it inside
     the first trace); building again changes nothing."""

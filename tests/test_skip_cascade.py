@@ -47,7 +47,9 @@ def residual_model(blocks=3, width=32):
 
 
 def skipped_steps(per_layer, batches, weights):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """The steps `residual_model` (from `weights`, float16 under its test's
+    `float16_policy`) skips over `batches`: per layer, or with stock's
+    LossScaleOptimizer."""
     keras.utils.set_random_seed(0)
     model = residual_model()
     model.set_weights(weights)

@@ -115,8 +115,8 @@ def test_any_inner_optimizer_equals_stock(name, float16_policy):
 
 
 def custom_loop(api, jit=True):
-    """A GradientTape loop; returns the model, optimizer and trace count."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """A GradientTape loop (under its test's `float16_policy`); returns the
+    model, optimizer, trace count and losses."""
     x, y = data()
     model = mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.05), update_every=3)
@@ -142,7 +142,7 @@ def custom_loop(api, jit=True):
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_custom_loops_trace_once_and_agree(jit):
+def test_custom_loops_trace_once_and_agree(jit, float16_policy):
     m3, opt3, traces3, losses3 = custom_loop("keras3", jit)
     ml, optl, tracesl, lossesl = custom_loop("legacy", jit)
     assert traces3 == 1 and tracesl == 1
