@@ -452,15 +452,17 @@ def child(*args, key=None, cwd=ROOT, timeout=CHILD_TIMEOUT, env=None, **override
     """Runs `python *args` (`"-c", code, ...`, `"-m", module, ...` or a
     script) in a child of this checkout (`child_env(**overrides)`, or
     `env`), once per `key` and session (by default the command, `cwd` and
-    environment); returns the `CompletedProcess`, whatever its exit status.
+    the environment asked for); returns the `CompletedProcess`, whatever its exit status.
 
     The outcome is cached, a timeout included: a child that timed out fails
     this test and every later one that asks for it, without starting it
     again (raised and not cached, the timeout started the same child for
     every test that shares it: a loaded 2-core machine ran 43 minutes)."""
+    if key is None:  # not os.environ: pytest names the current test there
+        given = None if env is None else tuple(sorted(
+            (k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+        key = (args, str(cwd), tuple(sorted(overrides.items())), given)
     env = child_env(**overrides) if env is None else env
-    if key is None:
-        key = (args, str(cwd), tuple(sorted(env.items())))
     if key not in _CHILDREN:
         try:
             _CHILDREN[key] = subprocess.run(
