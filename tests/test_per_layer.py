@@ -20,7 +20,7 @@ import tf_adaptive_scale as tas
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as gs
 from helpers import build, conv_net, head_on, normal, optimized_fit_program, run_python
-from helpers import set_random_scales, shared_backbone
+from helpers import dense_model, set_random_scales, shared_backbone
 
 
 def per_layer_optimizer(inner=None, **kwargs):
@@ -427,7 +427,7 @@ class TwoBlockNet(keras.Model):
 def blocks(policy):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(3)
-    encoder = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+    encoder = dense_model(6, (8, "tanh"), 8, sequential=True)
     x = keras.Input((8,))
     decoder = keras.Model(x, keras.layers.Dense(8)(keras.layers.Dense(8, activation="relu")(x)))
     return encoder, decoder, keras.layers.Dense(2)
