@@ -13,6 +13,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+import helpers  # noqa: E402
+
+# The tests that start a child Python process are marked `slow`; the fast
+# ones alone:
+#     python -m pytest -m "not slow"
 # The suite runs twice (README): on TensorFlow, everything but test_jax.py;
 # with KERAS_BACKEND=jax, the backend-neutral modules (one body runs both
 # execution paths: stateful `apply` on TensorFlow, `stateless_apply` on JAX)
@@ -44,11 +49,13 @@ else:
 
 @pytest.fixture(autouse=True)
 def float32_policy_and_seed():
-    """Every test starts from float32 and a fixed seed, and leaves it so."""
+    """Every test starts from float32 and a fixed seed, and leaves it so;
+    the compiled steps it made (`helpers.compiled_once`) are forgotten."""
     keras.mixed_precision.set_global_policy("float32")
     keras.utils.set_random_seed(0)
     yield
     keras.mixed_precision.set_global_policy("float32")
+    helpers._STEPS.clear()
 
 
 @pytest.fixture

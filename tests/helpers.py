@@ -329,6 +329,20 @@ def stepper(optimizer, variables, jit=True):
     return step
 
 
+_STEPS = {}
+
+
+def compiled_once(objects, make, *extra):
+    """`make()`'s compiled step, made once per `objects` (an optimizer and
+    its variables) and `extra` in a test and reused: a new one would
+    compile again. Holds `objects` (their ids stay theirs); conftest
+    forgets them all after each test."""
+    key = (*map(id, objects), *extra)
+    if key not in _STEPS:
+        _STEPS[key] = (objects, make())
+    return _STEPS[key][1]
+
+
 def padded_sequences(n, seed=0, vocab=20, length=12, classes=5):
     """`n` token sequences padded with 0, of bucketed lengths (sorted, so
     that consecutive batches hold very different token counts), and a class
@@ -350,9 +364,8 @@ def masked_sequence_model(seed=1, vocab=20, length=12, classes=5):
     return keras.Model(inputs, layers.Dense(classes)(layers.Dense(8, activation="tanh")(h)))
 
 def conv_net():
-    """A small float16 convolutional model (sets `mixed_float16`), a batch
-    and mse targets."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """A small convolutional model (float16 under the `float16_policy`
+    fixture its tests use), a batch and mse targets."""
     model = keras.Sequential([
         keras.Input((8, 8, 4)),
         layers.Conv2D(8, 3, padding="same", activation="relu"),
@@ -428,15 +441,50 @@ def child_env(**overrides):
     return env
 
 
-def run_child(*args, cwd=ROOT, timeout=300, env=None, **overrides):
+# A child takes up to 80 s on a quiet 2-core machine (conftest.LONGEST_FIRST):
+# generous for one under load.
+CHILD_TIMEOUT = 900
+
+_CHILDREN = {}
+
+
+def child(*args, key=None, cwd=ROOT, timeout=CHILD_TIMEOUT, env=None, **overrides):
     """Runs `python *args` (`"-c", code, ...`, `"-m", module, ...` or a
     script) in a child of this checkout (`child_env(**overrides)`, or
-    `env`); asserts it exited 0; returns the `CompletedProcess`."""
-    result = subprocess.run(
-        [sys.executable, *args],
-        env=child_env(**overrides) if env is None else env,
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    )
+    `env`), once per `key` and session (by default the command, `cwd` and
+    the environment asked for); returns the `CompletedProcess`, whatever its exit status.
+
+    The outcome is cached, a timeout included: a child that timed out fails
+    this test and every later one that asks for it, without starting it
+    again (raised and not cached, the timeout started the same child for
+    every test that shares it: a loaded 2-core machine ran 43 minutes)."""
+    if key is None:  # not os.environ: pytest names the current test there
+        given = None if env is None else tuple(sorted(
+            (k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+        key = (args, str(cwd), tuple(sorted(overrides.items())), given)
+    env = child_env(**overrides) if env is None else env
+    if key not in _CHILDREN:
+        try:
+            _CHILDREN[key] = subprocess.run(
+                [sys.executable, *args], env=env, cwd=cwd,
+                capture_output=True, text=True, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as e:
+            _CHILDREN[key] = (
+                f"child {' '.join(map(str, args))[:300]} timed out after {e.timeout} s"
+                " (cached: not started again)"
+            )
+    outcome = _CHILDREN[key]
+    if isinstance(outcome, str):
+        import pytest
+
+        pytest.fail(outcome, pytrace=False)
+    return outcome
+
+
+def run_child(*args, **kwargs):
+    """`child(*args, **kwargs)`; asserts it exited 0."""
+    result = child(*args, **kwargs)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     return result
 

@@ -70,8 +70,7 @@ def test_per_layer_does_not_check_the_unused_initial_scale():
     assert opt.scaling == "per_layer" and opt.max_scale == 2.0**10
 
 
-def test_a_deferred_global_mode_checks_initial_scale_when_resolved():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_a_deferred_global_mode_checks_initial_scale_when_resolved(float16_policy):
     opt = make(max_scale=2.0**10)
     var = keras.Variable([1.0])
     with pytest.raises(ValueError, match="min_scale <= initial_scale <= max_scale"):

@@ -106,12 +106,11 @@ def test_clipping_on_wrapper_equals_stock_clipping_on_inner(name, value):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
-def test_global_clipnorm_in_mixed_float16_fit_matches_float32_clipping():
+def test_global_clipnorm_in_mixed_float16_fit_matches_float32_clipping(float16_policy):
     """Clipping in a float16 model is applied after unscaling: the update
     equals one computed from float32 gradients clipped in numpy."""
     x = np.random.default_rng(3).standard_normal((16, 4)).astype("float32")
     y = np.ones((16, 1), "float32")
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = dense_model(4, 1, sequential=True)
     w0 = model.get_weights()
     # Reference float32 gradients at the same weights.

@@ -74,14 +74,14 @@ def test_default_mode_adds_a_bounded_number_of_kernels_whatever_the_depth():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fit_step_holds_no_conditional(mode):
+def test_fit_step_holds_no_conditional(mode, float16_policy):
     model, x, y = conv_net()
     hlo = fit_program(model, optimizer_for(mode), x, y)
     assert " convolution(" in hlo  # the whole step, not a part of it
     assert conditionals(hlo) == 0
 
 
-def test_stock_step_for_reference():
+def test_stock_step_for_reference(float16_policy):
     """Stock's step holds none on TensorFlow (XLA turns its decision into
     selects); on JAX, Keras's own `stateless_apply` decides with
     `lax.cond`, which the check finds."""
@@ -91,7 +91,7 @@ def test_stock_step_for_reference():
 
 
 @pytest.mark.skipif(not TF, reason="gradient accumulation compiles on TensorFlow")
-def test_accumulation_keeps_its_window_conditional():
+def test_accumulation_keeps_its_window_conditional(float16_policy):
     """The check finds a conditional where there is one on TensorFlow too."""
     model, x, y = conv_net()
     assert conditionals(fit_program(model, optimizer_for("adaptive", accumulation_steps=2),
@@ -100,7 +100,7 @@ def test_accumulation_keeps_its_window_conditional():
 
 @pytest.mark.skipif(not TF, reason="make_train_step and tf.function are TensorFlow's")
 @pytest.mark.parametrize("mode", ["adaptive", "per_layer"])
-def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
+def test_make_train_step_and_custom_loop_hold_no_conditional(mode, float16_policy):
     import tensorflow as tf
 
     model, x, y = conv_net()
@@ -128,9 +128,8 @@ def test_make_train_step_and_custom_loop_hold_no_conditional(mode):
 
 
 @pytest.mark.skipif(not TF, reason="one backend suffices for the large model's compile")
-def test_instrumented_keras_application_step_holds_no_conditional():
+def test_instrumented_keras_application_step_holds_no_conditional(float16_policy):
     # VGG16's 13 convolutions (MobileNet's 91 layers took a minute to compile).
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.applications.VGG16(
         weights=None, include_top=False, input_shape=(32, 32, 3), pooling="avg"
     )

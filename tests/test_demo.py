@@ -1,13 +1,17 @@
 """The demo (the README's first command) at its quick size."""
 
+import pytest
+
 from helpers import child_env, run_child
+
+pytestmark = pytest.mark.slow  # a child process
 
 
 def test_quick_demo_prints_the_table_and_writes_the_report(tmp_path):
     env = child_env()
     env.pop("TF_CPP_MIN_LOG_LEVEL")  # as a new user runs it
     proc = run_child("-m", "tf_adaptive_scale.demo", "--quick", "--out", str(tmp_path),
-                     env=env, timeout=600)
+                     env=env)
     out = proc.stdout
     for method in ("| float32 |", "| float16, Keras LossScaleOptimizer |",
                    "| float16, tas adaptive (one scale) |",

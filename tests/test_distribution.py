@@ -59,15 +59,15 @@ import functools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import ROOT, child_env
+from helpers import ROOT, child
 
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
+
+pytestmark = pytest.mark.slow  # child processes
 
 
 # Scenarios run in one worker process per group. TensorFlow caches the shape
@@ -100,29 +100,11 @@ GROUPS = (
 )
 
 
-# A group takes 55-80 s on a quiet 2-core machine (conftest.LONGEST_FIRST):
-# generous for one under load.
-WORKER_TIMEOUT = 900
-
-
 @functools.lru_cache(maxsize=None)
 def _run_worker(group):
-    """Runs the worker once per group and session; returns (results, failure
-    message). A worker that times out is a failure cached like any other:
-    raised, the timeout was not cached, and every test of the group started
-    the worker again (a loaded 2-core machine ran 43 minutes)."""
-    env = child_env()
-    try:
-        proc = subprocess.run(
-            [sys.executable, WORKER, *group],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=WORKER_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as e:
-        return None, f"worker timed out after {e.timeout} s"
+    """Runs the worker once per group and session (`helpers.child`: a
+    timeout is a cached failure too); returns (results, failure message)."""
+    proc = child(WORKER, *group)
     lines = proc.stdout.strip().splitlines()
     try:
         if proc.returncode != 0:

@@ -42,7 +42,7 @@ from keras import layers
 from keras import ops
 
 import tf_adaptive_scale as tas
-from helpers import set_random_scales
+from helpers import dense_model, set_random_scales
 
 STEPS = 5
 BATCH = 8
@@ -79,12 +79,11 @@ def _ints(shape, high, seed):
 # across zero makes float16 itself, at a fixed loss scale without this
 # package, 10% off float32 on that step (measured).
 def _mlp(regularizer=None):
-    return keras.Sequential([
-        keras.Input((6,)),
-        layers.Dense(16, activation="tanh", kernel_regularizer=regularizer),
-        layers.Dense(16, activation="gelu", kernel_regularizer=regularizer),
-        layers.Dense(3, kernel_regularizer=regularizer),
-    ])
+    return dense_model(
+        6, *(dict(units=units, activation=activation, kernel_regularizer=regularizer)
+             for units, activation in ((16, "tanh"), (16, "gelu"), (3, None))),
+        sequential=True,
+    )
 
 
 def shared_backbone(wrap):

@@ -14,6 +14,8 @@ from helpers import ROOT, run_python
 
 WORKER = os.path.join(ROOT, "tests", "examples_worker.py")
 
+pytestmark = pytest.mark.slow  # child processes
+
 # name: (child, script, arguments). The two children take about as long.
 RUNS = {
     "compiled_per_layer": ("a", "compiled_train_step.py", ["--epochs", "2"]),
@@ -47,7 +49,7 @@ def _child(child, directory):
         for name, (which, script, arguments) in RUNS.items() if which == child
     ]
     output = os.path.join(directory, f"child_{child}.json")
-    run_python(WORKER, json.dumps(runs), output, timeout=900)
+    run_python(WORKER, json.dumps(runs), output)
     with open(output) as f:
         return json.load(f)
 

@@ -24,10 +24,9 @@ from helpers import (
 FAST_JIT = JAX
 
 
-def test_fit_matches_stock_keras_side_by_side():
+def test_fit_matches_stock_keras_side_by_side(float16_policy):
     """Dynamic mode is the stock optimizer's rule: same weights and scale
     after `fit`, overflowing batches included."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = linear_data()
     x[17] = 3e4  # overflows float16 in the backward pass of its batch
     ours_model = three_layer_mlp()
@@ -118,8 +117,7 @@ def test_per_layer_reaches_a_gradient_no_global_scale_can():
         np.testing.assert_allclose(got, g32, rtol=2e-2, atol=2e-2 * np.abs(g32).max())
 
 
-def test_monitor_writes_json_lines_in_fit(tmp_path):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_monitor_writes_json_lines_in_fit(tmp_path, float16_policy):
     x, y = linear_data()
     model = three_layer_mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), update_every=2)
@@ -135,8 +133,7 @@ def test_monitor_writes_json_lines_in_fit(tmp_path):
 
 
 @pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
-def test_saved_model_resumes_exactly(tmp_path, scaling):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_saved_model_resumes_exactly(tmp_path, scaling, float16_policy):
     x, y = linear_data()
 
     def make():

@@ -146,6 +146,7 @@ def test_under_mixed_float16_the_window_matches_float32(float16_policy):
     assert np.linalg.norm(update - reference) / np.linalg.norm(reference) < 2e-2
 
 
+@pytest.mark.slow  # starts a child process
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow",
                     reason="tf.distribute: JAX computes the global batch's loss in one program")
 def test_under_a_mirrored_strategy_the_window_matches_one_device():
@@ -153,8 +154,8 @@ def test_under_a_mirrored_strategy_the_window_matches_one_device():
     weigh by theirs, so two replicas give one device's update."""
     from helpers import run_python
 
-    results = json.loads(run_python(os.path.join(TESTS, "accumulation_worker.py"),
-                                    timeout=600).strip().splitlines()[-1])
+    results = json.loads(run_python(os.path.join(TESTS, "accumulation_worker.py"))
+                         .strip().splitlines()[-1])
     assert results["fit_plain"] > 0.1, results
     assert results["fit_wrapped"] < 1e-5, results
     assert results["make_train_step"] < 1e-5, results

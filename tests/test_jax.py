@@ -72,6 +72,7 @@ def _child():
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # starts a child process
 class TestOneFreshJaxProcess:
     """What needs a fresh JAX process (`_child`, run once: one worker runs this class)."""
 
@@ -90,13 +91,12 @@ class TestOneFreshJaxProcess:
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_custom_jax_loop_with_stateless_apply():
+def test_custom_jax_loop_with_stateless_apply(float16_policy):
     """The JAX custom loop: `jax.value_and_grad` over `stateless_call`, the
     loss scaled in a StatelessScope, `stateless_apply`, all jitted; equal to
     `fit` on a twin model."""
     import jax
 
-    keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = linear_data()
     model = three_layer_mlp()
     fitted = twin(model)

@@ -247,6 +247,7 @@ def test_bfloat16_reports_norms_without_float16_fractions():
     assert "layer/head/underflow" not in history.history
 
 
+@pytest.mark.slow  # starts a child process
 def test_monitor_writes_tensorboard_logs_without_the_tensorboard_package(tmp_path):
     # The demo's extra does not install tensorboard; tf.summary.scalar
     # needs it, the monitor's own writer does not.

@@ -48,10 +48,16 @@ import time
 import numpy as np
 import pytest
 
-from helpers import ROOT, child_env
+from helpers import CHILD_TIMEOUT, ROOT, child_env
 
 WORKER = os.path.join(ROOT, "tests", "multi_worker_worker.py")
-TIMEOUT_S = 150
+
+pytestmark = pytest.mark.slow  # child processes
+# The three processes run side by side (a worker waits for its peer; one
+# that fails stops the others), so not through `helpers.child`; like it,
+# `_run_all` caches its outcome, a timeout included, and waits
+# `CHILD_TIMEOUT` (generous for a loaded machine).
+TIMEOUT_S = CHILD_TIMEOUT
 
 
 def _free_ports(n):

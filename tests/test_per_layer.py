@@ -20,7 +20,7 @@ import tf_adaptive_scale as tas
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale as gs
 from helpers import build, conv_net, head_on, normal, optimized_fit_program, run_python
-from helpers import set_random_scales, shared_backbone
+from helpers import dense_model, set_random_scales, shared_backbone
 
 
 def per_layer_optimizer(inner=None, **kwargs):
@@ -29,9 +29,8 @@ def per_layer_optimizer(inner=None, **kwargs):
     )
 
 
-def test_rule_matches_hand_computed_scale():
+def test_rule_matches_hand_computed_scale(float16_policy):
     """One Dense unit whose output gradient is a known tensor T."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     rng = np.random.default_rng(0)
     # 32x8 output gradient: 5% of the entries tiny (2**-36), the rest 2**-12..2**-8.
     t = (2.0 ** rng.integers(-12, -8, (32, 8)) * rng.choice([-1, 1], (32, 8))).astype("float32")
@@ -80,7 +79,7 @@ def unit_of(inst, name):
 
 
 def low_mid_top():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """Three Dense units, instrumented (the tests build it under `float16_policy`)."""
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(8, name="low"), keras.layers.Dense(8, name="mid"),
          keras.layers.Dense(2, name="top")]
@@ -88,7 +87,7 @@ def low_mid_top():
     return model, tas.instrument(model)
 
 
-def test_overflow_is_attributed_to_the_unit_where_it_started():
+def test_overflow_is_attributed_to_the_unit_where_it_started(float16_policy):
     model, inst = low_mid_top()
     table = inst.scale_table
     log2 = np.array([0, 2, 40, 2], "float32")  # converting into "mid" overflows float16
@@ -111,7 +110,7 @@ def test_overflow_is_attributed_to_the_unit_where_it_started():
     assert float(table.measure.numpy()) == 1.0  # and the next step measures again
 
 
-def test_overflow_on_a_step_that_does_not_measure_is_diagnosed_next_step():
+def test_overflow_on_a_step_that_does_not_measure_is_diagnosed_next_step(float16_policy):
     model, inst = low_mid_top()
     table = inst.scale_table
     opt = per_layer_optimizer(keras.optimizers.SGD(0.1), update_every=10**6, max_scale=2.0**60)
@@ -132,8 +131,7 @@ def test_overflow_on_a_step_that_does_not_measure_is_diagnosed_next_step():
     assert ceilings[unit_of(inst, "mid")] < 39 and (np.delete(ceilings, unit_of(inst, "mid")) >= 60).all()
 
 
-def test_overflow_inside_a_layer_backward_blames_that_layer():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_overflow_inside_a_layer_backward_blames_that_layer(float16_policy):
     model = keras.Sequential(
         # Small activations into "big", whose large weights blow up only the
         # backward pass: dx = dy W^T.
@@ -159,8 +157,7 @@ def test_overflow_inside_a_layer_backward_blames_that_layer():
     assert low <= table.log2_scales.numpy()[unit_of(inst, "big")] - 8
 
 
-def test_overflow_of_the_unused_input_gradient_skips_nothing():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_overflow_of_the_unused_input_gradient_skips_nothing(float16_policy):
     model = keras.Sequential(
         [keras.Input((64,)),
          keras.layers.Dense(64, name="big", kernel_initializer=keras.initializers.Constant(1e3)),
@@ -294,7 +291,7 @@ def computations_under_conditionals(hlo):
     return {name: bodies[name] for name in seen}
 
 
-def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional():
+def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional(float16_policy):
     """XLA on CPU compiles convolutions inside a conditional as naive loops
     (50x slower): the per-layer step holds none, and every convolution of
     the stock step."""
@@ -307,12 +304,11 @@ def test_compiled_per_layer_step_holds_stocks_convolutions_and_no_conditional():
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["adaptive", "per_layer"])
-def test_weight_update_compiles_to_selects_as_stock(per_layer):
+def test_weight_update_compiles_to_selects_as_stock(per_layer, float16_policy):
     """The apply-or-skip decision becomes selects fused with the update, as
     for the stock optimizer, not a conditional holding the whole update (a
     scatter in its skip branch kept one: slower on CPU, a host sync on GPU).
     Adam's sqrt on the 5x7 kernel's slot marks the update."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(2)])
     x = np.random.default_rng(0).standard_normal((4, 5)).astype("float32")
     y = np.ones((4, 2), "float32")
@@ -334,7 +330,7 @@ def test_weight_update_compiles_to_selects_as_stock(per_layer):
     ]
 
 
-def test_instrumented_model_traces_its_first_step_once():
+def test_instrumented_model_traces_its_first_step_once(float16_policy):
     """`compile` builds the optimizer, so the first step creates no variable
     and TensorFlow traces it once, not twice (stock Keras builds it inside
     the first trace); building again changes nothing."""
@@ -431,7 +427,7 @@ class TwoBlockNet(keras.Model):
 def blocks(policy):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(3)
-    encoder = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+    encoder = dense_model(6, (8, "tanh"), 8, sequential=True)
     x = keras.Input((8,))
     decoder = keras.Model(x, keras.layers.Dense(8)(keras.layers.Dense(8, activation="relu")(x)))
     return encoder, decoder, keras.layers.Dense(2)
@@ -472,8 +468,7 @@ def test_subclassed_model_with_instrumented_blocks_trains_in_float16():
     assert set(opt.layer_scales()) == set(net.encoder.layer_scales()) | set(net.decoder.layer_scales())
 
 
-def test_units_whose_gradient_all_underflowed_rise_at_once():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_units_whose_gradient_all_underflowed_rise_at_once(float16_policy):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")])
     inst = tas.instrument(model)
     opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=100, max_scale=2.0**24)
@@ -514,9 +509,8 @@ def test_legacy_unscale_call_is_refused_in_per_layer_mode():
         opt.get_unscaled_gradients([tf.ones((2,))])
 
 
-def test_weight_gradient_sum_overflow_steps_down_far_enough_at_once():
+def test_weight_gradient_sum_overflow_steps_down_far_enough_at_once(float16_policy):
     """A per-pixel sum loss: the kernel gradient sums 4096 rows of 100s."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="d")])
     inst = tas.instrument(model)
     opt = per_layer_optimizer(keras.optimizers.SGD(0.0), update_every=100)
@@ -666,6 +660,7 @@ def loaded_on_the_other_backend(tmp_path_factory):
     return {"jax": jax_out, "tensorflow": printed.getvalue()}
 
 
+@pytest.mark.slow  # starts a child process
 class TestLoadOnTheOtherBackend:
     """The fixture runs once: one worker runs this class."""
 

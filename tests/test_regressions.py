@@ -90,10 +90,9 @@ def per_layer_optimizer(lr):
 # ------------------------------------- 1: unfreezing after tas.instrument
 
 
-def test_unfreezing_after_instrument_unscales_the_unfrozen_weights():
+def test_unfreezing_after_instrument_unscales_the_unfrozen_weights(float16_policy):
     """Bug 1: weights frozen at instrument time must be unscaled once trainable."""
     keras.utils.set_random_seed(1)
-    keras.mixed_precision.set_global_policy("mixed_float16")
     base_in = keras.Input((8,))
     h = keras.layers.Dense(16, activation="tanh", name="base_1")(base_in)
     h = keras.layers.Dense(16, activation="tanh", name="base_2")(h)
@@ -152,9 +151,9 @@ print(json.dumps({
 """
 
 
-def test_default_scaling_survives_save_and_load_in_a_float32_process(tmp_path):
+@pytest.mark.slow  # starts a child process
+def test_default_scaling_survives_save_and_load_in_a_float32_process(tmp_path, float16_policy):
     """Bug 2a: a loaded default-mode optimizer must unscale what it scales."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
     )
@@ -446,21 +445,17 @@ def test_per_layer_with_inner_ema_or_accumulation_matches_the_plain_optimizer(
         np.testing.assert_allclose(names[v.path], v.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_per_layer_fit_with_a_partial_last_batch():
+def test_per_layer_fit_with_a_partial_last_batch(float16_policy):
     # The last, smaller batch retraces with an unknown batch size: the
     # statistics' exponent read (a bit view) once needed a static shape.
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = tas.instrument(two_dense())
-        opt = tas.AdaptiveLossScaleOptimizer(
-            keras.optimizers.SGD(0.1), scaling="per_layer", update_every=1)
-        model.compile(opt, "mse", jit_compile=True)
-        model.fit(data((20, 6), 1), data((20, 1), 2), batch_size=8, epochs=2,
-                  verbose=0, shuffle=False)
-        assert int(opt.total_steps) == 6
-        assert int(opt.skipped_steps) <= 1
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model = tas.instrument(two_dense())
+    opt = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.SGD(0.1), scaling="per_layer", update_every=1)
+    model.compile(opt, "mse", jit_compile=True)
+    model.fit(data((20, 6), 1), data((20, 1), 2), batch_size=8, epochs=2,
+              verbose=0, shuffle=False)
+    assert int(opt.total_steps) == 6
+    assert int(opt.skipped_steps) <= 1
 
 
 def test_one_replica_mirrored_strategy_trains():

@@ -1,14 +1,13 @@
 """plot_report writes titled PNG pictures from a monitor log or a History."""
 
 import json
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import child
 from tf_adaptive_scale.report import float16_zones
 from tf_adaptive_scale.report import plot_report
 
@@ -134,13 +133,10 @@ def test_many_layers_are_drawn_and_listed(tmp_path):
     assert_pictures(plot_report(tmp_path / "many.jsonl", out), out, list(TITLES))
 
 
+@pytest.mark.slow  # starts a child process
 def test_command_line(log_dir, tmp_path):
     out = tmp_path / "cli"
-    result = subprocess.run(
-        [sys.executable, "-m", "tf_adaptive_scale.report", str(log_dir), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    result = child("-m", "tf_adaptive_scale.report", str(log_dir), "--out", str(out))
     assert result.returncode == 0, result.stderr
     printed = result.stdout.split()
     assert printed == [str(out / name) for name in TITLES]

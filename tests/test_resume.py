@@ -26,8 +26,6 @@ loaded into a model whose optimizer is `AdaptiveLossScaleOptimizer`.
 
 import os
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -36,7 +34,7 @@ import keras
 import tensorflow as tf
 
 import resume_worker as rw
-from helpers import ROOT, child_env
+from helpers import ROOT, child
 
 WORKER = os.path.join(ROOT, "tests", "resume_worker.py")
 
@@ -136,15 +134,7 @@ def resumed(tmp_path_factory):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     output = os.path.join(workdir, "resumed.npz")
-    env = child_env()
-    proc = subprocess.run(
-        [sys.executable, WORKER, workdir, output],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = child(WORKER, workdir, output)
     if proc.returncode != 0 or not os.path.exists(output):
         pytest.fail(
             f"resume worker failed (exit status {proc.returncode})\n"
@@ -174,6 +164,7 @@ def _differences(names, expected, got):
     return worst, unequal
 
 
+@pytest.mark.slow  # starts a child process
 class TestFreshProcessResume:
     """Every mode and format restored in one fresh process (the `resumed` fixture: one worker runs this class)."""
 
@@ -258,7 +249,7 @@ class TestStockCheckpoint:
     @pytest.mark.parametrize("fmt", ["checkpoint", "checkpoint_unbuilt", "keras"])
     @pytest.mark.parametrize("mode", ["dynamic", "adaptive"])
     def test_stock_loss_scale_checkpoint_restores_into_adaptive(
-            self, stock_saved, mode, fmt):
+            self, stock_saved, mode, fmt, float16_policy):
         """What a demanding user migrating from the stock optimizer wants: the
         restore does not raise; weights and the inner optimizer (iterations,
         slots) are restored bitwise; the scale is taken over; and, for `.keras`,
@@ -268,7 +259,6 @@ class TestStockCheckpoint:
         `model.load_weights`; checkpoints with `tf.train.Checkpoint(...).read`,
         into a built optimizer or (`checkpoint_unbuilt`) into one built after the
         read (TensorFlow's deferred restoration), as before the first `fit`."""
-        keras.mixed_precision.set_global_policy("mixed_float16")
         keras.utils.set_random_seed(rw.RESTORE_SEED)
         model = rw.make_model(mode)
         opt = rw.make_optimizer(mode)

@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
+from helpers import compiled_once
 
 INF = float("inf")
 LR = 0.5
@@ -33,29 +34,19 @@ def global_optimizer(shape=(8,), seed=0, **kwargs):
     return opt, var
 
 
-_STEPS = {}
-
-
-@pytest.fixture(autouse=True)
-def _steps_of_this_test():
-    yield
-    _STEPS.clear()
-
-
 def global_stepper(opt, variables):
     """An XLA step applying unscaled gradients `grads` as the gradients of
     `scale_loss(sum(v * g))` would arrive: multiplied by the current scale.
-    One per optimizer and variables in a test, reused (a new one would
-    compile again)."""
-    key = (id(opt), *(id(v) for v in variables))
-    if key not in _STEPS:
+    One per optimizer and variables in a test, reused."""
 
+    def make():
         @tf.function(jit_compile=True)
         def step(grads):
             opt.apply([g * opt.loss_scale for g in grads], variables)
 
-        _STEPS[key] = (opt, variables, lambda grads: step([tf.constant(g, "float32") for g in grads]))
-    return _STEPS[key][2]
+        return lambda grads: step([tf.constant(g, "float32") for g in grads])
+
+    return compiled_once((opt, *variables), make)
 
 
 def scales_after(opt, var, grads):
@@ -79,7 +70,7 @@ def scales_after(opt, var, grads):
 
 
 def one_unit(**kwargs):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """The unit above, instrumented (the tests build it under `float16_policy`)."""
     model = keras.Sequential(
         [keras.Input((1,)), keras.layers.Dense(1, use_bias=False, name="d")]
     )
@@ -124,7 +115,7 @@ def column(trail, i):
 # --------------------------------------------------------------------- tests
 
 
-def test_per_layer_cap_lifts_a_binade_per_clean_measurement():
+def test_per_layer_cap_lifts_a_binade_per_clean_measurement(float16_policy):
     """Per layer: each clean measurement lifts an overflow's cap one binade."""
     opt, run = one_unit(update_every=1)
     trail = run([1.0, 2.0**5, 1.0, 1.0, 1.0])
@@ -138,7 +129,7 @@ def test_per_layer_cap_lifts_a_binade_per_clean_measurement():
     assert int(opt.skipped_steps) == 1
 
 
-def test_per_layer_back_off_waits_for_hysteresis_overflows():
+def test_per_layer_back_off_waits_for_hysteresis_overflows(float16_policy):
     """Per layer: a unit backs off only after `hysteresis` overflows in a row."""
     opt, run = one_unit(update_every=1, hysteresis=2)
     trail = run([1.0, 2.0**5, 2.0**5, 1.0, 1.0])
@@ -150,7 +141,7 @@ def test_per_layer_back_off_waits_for_hysteresis_overflows():
     assert int(opt.skipped_steps) == 2
 
 
-def test_per_layer_overflow_on_an_unmeasured_step_measures_the_next():
+def test_per_layer_overflow_on_an_unmeasured_step_measures_the_next(float16_policy):
     """Per layer: an overflow makes the next step measure (and attribute it)."""
     opt, run = one_unit(update_every=100)
     trail = run([1.0, 2.0**5, 2.0**5, 2.0**5, 2.0**5])
@@ -164,9 +155,8 @@ def test_per_layer_overflow_on_an_unmeasured_step_measures_the_next():
     assert int(opt.skipped_steps) == 2
 
 
-def test_per_layer_scales_stay_within_max_scale():
+def test_per_layer_scales_stay_within_max_scale(float16_policy):
     """Per layer: rule and unseen-unit rises are bounded by `max_scale`."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")]
     )
@@ -193,9 +183,8 @@ def test_per_layer_scales_stay_within_max_scale():
     assert int(opt.skipped_steps) == 0
 
 
-def test_per_layer_backward_overflow_skips_even_with_finite_weight_gradients():
+def test_per_layer_backward_overflow_skips_even_with_finite_weight_gradients(float16_policy):
     """Per layer: a boundary's non-finite flag skips the step (last_step_finite)."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     # A frozen feature extractor under a trainable head: the head's weight
     # gradients stay finite while its input gradient, converted to the frozen
     # unit's scale 2**40, overflows.

@@ -57,8 +57,7 @@ def chosen_scales(family, scaling, sampled, steps=2):
     (the optimizer's own samples) or (`sampled=False`) exact: log2 of the
     scale(s) chosen, and the lowest scale(s) keeping underflow within the
     rate (`scale_bounds`' low, which the sample's quantile decides), both
-    `(units,)`."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    `(units,)`. (Under its test's `float16_policy`.)"""
     keras.utils.set_random_seed(0)
     model, shape = step_cost.FAMILIES[family]()
     if scaling == "per_layer":
@@ -88,7 +87,7 @@ def chosen_scales(family, scaling, sampled, steps=2):
 
 @pytest.mark.parametrize("scaling", ["adaptive", "per_layer"])
 @pytest.mark.parametrize("family", ["mlp", "cnn", "unet", "transformer"])
-def test_sampled_scales_within_one_binade_of_exact(family, scaling):
+def test_sampled_scales_within_one_binade_of_exact(family, scaling, float16_policy):
     sampled, sampled_low = chosen_scales(family, scaling, True)
     exact, exact_low = chosen_scales(family, scaling, False)
     assert sampled.shape == exact.shape and sampled_low.shape == exact_low.shape

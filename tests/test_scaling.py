@@ -6,7 +6,7 @@ Backend-neutral: runs on TensorFlow and on JAX.
 import numpy as np
 import pytest
 import keras
-from helpers import JAX, INF, dense_model, stepper, tensor
+from helpers import JAX, INF, compiled_once, dense_model, stepper, tensor
 
 import tf_adaptive_scale as tas
 
@@ -17,22 +17,10 @@ def make(opt_kwargs, inner=None, shape=(4,)):
     return opt, var
 
 
-_STEPS = {}
-
-
-@pytest.fixture(autouse=True)
-def _steps_of_this_test():
-    yield
-    _STEPS.clear()
-
-
 def step_of(opt, var, jit=True):
     """`opt`'s compiled step on `var`: one per optimizer, variable and `jit`
-    in a test, reused by each of its `run`s (a new one would compile again)."""
-    key = (id(opt), id(var), jit)
-    if key not in _STEPS:
-        _STEPS[key] = (opt, var, stepper(opt, [var], jit))
-    return _STEPS[key][2]
+    in a test, reused by each of its `run`s."""
+    return compiled_once((opt, var), lambda: stepper(opt, [var], jit), jit)
 
 
 def run(opt, var, grads, jit=True):
@@ -137,8 +125,7 @@ def test_default_scaling_follows_what_the_model_computes_in(policy, layer_dtype,
         assert float(opt.loss_scale) == 1.0
 
 
-def test_explicit_scaling_is_kept():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_explicit_scaling_is_kept(float16_policy):
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="dynamic")
     assert opt.scaling == "dynamic"
     assert fit_one_step(dense_factory(), opt).scaling == "dynamic"
@@ -236,8 +223,7 @@ def test_non_finite_step_changes_nothing(inner, window):
     assert int(opt.skipped_steps) == 1 and not bool(opt.last_step_finite.numpy())
 
 
-def test_last_step_finite_and_counters_in_fit():
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_last_step_finite_and_counters_in_fit(float16_policy):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01))
     model.compile(opt, "mse", jit_compile=True)
@@ -270,10 +256,9 @@ def test_adaptive_mass_criterion_and_rise_cap():
     assert run(capped, var_c, [g * 2.0**3]) == [2.0**5]
 
 
-def test_underflow_fraction_counts_values_lost_to_zero():
+def test_underflow_fraction_counts_values_lost_to_zero(float16_policy):
     """At too low a scale most float16 gradients flush to zero: the reported
     underflow must show them, not only the nonzero values that remain."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.Dense(4)])
     x = np.random.default_rng(0).standard_normal((64, 16)).astype("float32")
     y = np.zeros((64, 4), "float32")

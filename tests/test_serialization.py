@@ -50,7 +50,8 @@ def test_get_config_round_trips_every_argument():
 
 
 def trained_model(steps=6):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """A small model (float16 under its tests' `float16_policy`) and its
+    optimizer with every argument set, after `steps` steps and one skipped."""
     model = dense_model(4, 8, 1, sequential=True)
     opt = tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(1e-2),
@@ -86,7 +87,7 @@ def continue_training(model):
     return model.get_weights()
 
 
-def test_model_save_and_load_restore_whole_state_and_resume(tmp_path):
+def test_model_save_and_load_restore_whole_state_and_resume(tmp_path, float16_policy):
     model, opt = trained_model()
     assert int(opt.skipped_steps) >= 1 and int(opt.norm_history_count) > 0
     path = str(tmp_path / "m.keras")
@@ -102,7 +103,7 @@ def test_model_save_and_load_restore_whole_state_and_resume(tmp_path):
     assert_same_state(opt, lopt)
 
 
-def test_checkpoint_restores_whole_state_and_resumes(tmp_path):
+def test_checkpoint_restores_whole_state_and_resumes(tmp_path, float16_policy):
     model, opt = trained_model()
     prefix = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
     saved_state = state(opt)

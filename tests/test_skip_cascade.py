@@ -47,7 +47,9 @@ def residual_model(blocks=3, width=32):
 
 
 def skipped_steps(per_layer, batches, weights):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """The steps `residual_model` (from `weights`, float16 under its test's
+    `float16_policy`) skips over `batches`: per layer, or with stock's
+    LossScaleOptimizer."""
     keras.utils.set_random_seed(0)
     model = residual_model()
     model.set_weights(weights)
@@ -70,14 +72,13 @@ def skipped_steps(per_layer, batches, weights):
 # on the first, measured step. Targets 30: the trunk's gradients are near 1,
 # and those behind the LayerScales mostly fit float16 at scale 1.
 @pytest.mark.parametrize("target", [3.0, 30.0])
-def test_layer_scale_blocks_skip_no_more_than_stock(target):
+def test_layer_scale_blocks_skip_no_more_than_stock(target, float16_policy):
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((32, 16)).astype("float32"),
          (target * rng.standard_normal((32, 8))).astype("float32"))
         for _ in range(20)
     ]
-    keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     weights = residual_model().get_weights()
     stock = skipped_steps(False, batches, weights)

@@ -111,8 +111,8 @@ def per_layer_run(update_every, lr=1e-3):
     """A small float16 model, instrumented, trained per layer with a loss
     whose value is NaN on a batch whose target's second column is NaN, while
     its gradients stay those of the finite part (the NaN enters through
-    `stop_gradient`): a bad-data step with finite gradients."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    `stop_gradient`): a bad-data step with finite gradients. (Its tests
+    build it under `float16_policy`.)"""
     model = keras.Sequential([
         keras.Input((4,)),
         keras.layers.Dense(4, activation="tanh", name="hidden"),
@@ -192,7 +192,7 @@ def test_nan_loss_skips_keep_the_global_measurement_schedule():
     assert int(opt.iterations.numpy()) == SCHEDULE_STEPS - len(SCHEDULE_NAN)
 
 
-def test_nan_loss_skips_keep_the_per_layer_measurement_schedule():
+def test_nan_loss_skips_keep_the_per_layer_measurement_schedule(float16_policy):
     inst, opt, step = per_layer_run(update_every=3)
     measured, backward = [], []
     for i in range(SCHEDULE_STEPS):
@@ -250,7 +250,7 @@ def test_skipped_steps_record_no_global_statistics():
     )
 
 
-def test_skipped_steps_record_no_per_layer_statistics():
+def test_skipped_steps_record_no_per_layer_statistics(float16_policy):
     inst, opt, step = per_layer_run(update_every=1)
     step()
     assert int(opt.measurements.numpy()) == 1

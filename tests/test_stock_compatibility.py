@@ -392,8 +392,7 @@ def embedding_data():
 # the TensorFlow ones keep the gradient sparse without XLA as well).
 @pytest.mark.parametrize("jit", [True], ids=["jit"])
 @pytest.mark.parametrize("inner", ["SGD", "Adam"])
-def test_embedding_fit_matches_stock_and_keeps_gradients_sparse(inner, jit):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_embedding_fit_matches_stock_and_keeps_gradients_sparse(inner, jit, float16_policy):
     x, y = embedding_data()
     results = {}
     for name in ("stock", "ours"):
@@ -471,12 +470,11 @@ def test_get_unscaled_gradients_keeps_indexed_slices(scaling):
 
 @pytest.mark.skipif(not TF, reason="tf-keras API with tf.GradientTape: TensorFlow only")
 @pytest.mark.parametrize("eager", [False, True], ids=["traced", "eager"])
-def test_legacy_loop_matches_stock_loop(eager):
+def test_legacy_loop_matches_stock_loop(eager, float16_policy):
     """tf-keras's loop (`get_scaled_loss`, `get_unscaled_gradients`,
     `apply_gradients`) with ours equals Keras 3's with stock (`scale_loss`,
     `apply` of the scaled gradients), embedding gradients sparse, in a
     `tf.function` and eagerly."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = embedding_data()
     stock, ours = stock_and_ours(keras.optimizers.Adam(0.05), dynamic_growth_steps=2)
     stock_model, our_model = embedding_model(), embedding_model()
@@ -628,8 +626,7 @@ def dense_data(n=24):
     return x, rng.standard_normal((n, 1)).astype("float32")
 
 
-def test_saved_model_reloads_and_continues_as_stock(tmp_path):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_saved_model_reloads_and_continues_as_stock(tmp_path, float16_policy):
     x, y = dense_data()
     form = dict(initial_scale=2**15, dynamic_growth_steps=2.0, name="lso")
     stock, ours = stock_and_ours(keras.optimizers.Adam(0.01), **form)
@@ -669,8 +666,7 @@ TRAINER_PATHS = {
 
 
 @pytest.mark.parametrize("path", list(TRAINER_PATHS))
-def test_fit_matches_stock_on_every_trainer_path(path):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_fit_matches_stock_on_every_trainer_path(path, float16_policy):
     x, y = dense_data()
     stock, ours = stock_and_ours(
         keras.optimizers.SGD(0.02, momentum=0.5), dynamic_growth_steps=2
@@ -688,11 +684,10 @@ def test_fit_matches_stock_on_every_trainer_path(path):
     assert int(ours.total_steps.numpy()) == 6
 
 
-def test_fit_matches_auto_wrapped_stock():
+def test_fit_matches_auto_wrapped_stock(float16_policy):
     """`compile` wraps a plain optimizer in the stock one under
     mixed_float16 (its defaults): ours with `scaling="dynamic"` and the
     defaults trains the same."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = dense_data()
     stock_model, our_model = dense_net(), dense_net()
     stock_model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=FAST_JIT)

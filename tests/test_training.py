@@ -33,8 +33,7 @@ def fit_pair(ours, stock, jit, epochs=2):
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_fit_mixed_float16_not_wrapped_twice_and_equals_stock(jit):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_fit_mixed_float16_not_wrapped_twice_and_equals_stock(jit, float16_policy):
     ours = tas.AdaptiveLossScaleOptimizer(
         keras.optimizers.Adam(1e-2), scaling="dynamic", dynamic_growth_steps=3
     )
@@ -69,10 +68,9 @@ def test_fit_adaptive_learns_like_float32(jit):
     assert np.log2(float(opt.loss_scale)) % 1 == 0
 
 
-def test_adaptive_skips_only_before_its_first_measurement():
+def test_adaptive_skips_only_before_its_first_measurement(float16_policy):
     """The default initial scale (2**15, as Keras) overflows on this model;
     the adaptive scale backs off, measures, and skips nothing afterwards."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = data()
     model = mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-2), update_every=2)
@@ -101,8 +99,7 @@ INNER = {
 
 
 @pytest.mark.parametrize("name", sorted(INNER))
-def test_any_inner_optimizer_equals_stock(name):
-    keras.mixed_precision.set_global_policy("mixed_float16")
+def test_any_inner_optimizer_equals_stock(name, float16_policy):
     inner, window = INNER[name](), 1
     if inner.gradient_accumulation_steps:
         # Ours accumulates itself (one decision per window); the inner
@@ -118,8 +115,8 @@ def test_any_inner_optimizer_equals_stock(name):
 
 
 def custom_loop(api, jit=True):
-    """A GradientTape loop; returns the model, optimizer and trace count."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+    """A GradientTape loop (under its test's `float16_policy`); returns the
+    model, optimizer, trace count and losses."""
     x, y = data()
     model = mlp()
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.05), update_every=3)
@@ -145,7 +142,7 @@ def custom_loop(api, jit=True):
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_custom_loops_trace_once_and_agree(jit):
+def test_custom_loops_trace_once_and_agree(jit, float16_policy):
     m3, opt3, traces3, losses3 = custom_loop("keras3", jit)
     ml, optl, tracesl, lossesl = custom_loop("legacy", jit)
     assert traces3 == 1 and tracesl == 1
