@@ -20,15 +20,6 @@ from tf_adaptive_scale import validation
 ALL = "(all)"
 
 
-def _setting(default, check, doc, argument=True):
-    return dataclasses.field(default=default, metadata={
-        "check": check, "doc": doc, "argument": argument})
-
-
-def _optional(check):
-    return lambda name, value: None if value is None else check(name, value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The diagnoses' thresholds, checked.
@@ -39,42 +30,40 @@ class Settings:
     2
     """
 
-    window: int = _setting(20, validation.positive_int, "Measurements of history per layer.")
-    patience: int = _setting(3, validation.positive_int, (
+    window: int = validation.setting(20, validation.positive_int, "Measurements of history per layer.")
+    patience: int = validation.setting(3, validation.positive_int, (
         "Consecutive measurements before a lasting condition warns."))
-    vanishing_ratio: float = _setting(1e-6, validation.positive_float, (
+    vanishing_ratio: float = validation.setting(1e-6, validation.positive_float, (
         "A layer's gradient norm below this times the largest layer's, for "
         "`patience` measurements, is vanishing."))
-    vanishing_orders: float = _setting(4.0, validation.positive_float, (
+    vanishing_orders: float = validation.setting(4.0, validation.positive_float, (
         "So is a norm fallen this many orders of magnitude within `window`."))
-    exploding_zscore: float = _setting(6.0, validation.positive_float, (
+    exploding_zscore: float = validation.setting(6.0, validation.positive_float, (
         "A log10 norm this many standard deviations above its recent history "
         "(and `exploding_factor` times its median) is exploding."))
-    exploding_factor: float = _setting(10.0, validation.positive_float, (
+    exploding_factor: float = validation.setting(10.0, validation.positive_float, (
         "See `exploding_zscore`."))
-    underflow_warning: float = _setting(0.05, validation.positive_float, (
+    underflow_warning: float = validation.setting(0.05, validation.positive_float, (
         "Underflow above this, for `patience` measurements, warns."))
-    skipped_run: int = _setting(5, validation.positive_int, (
+    skipped_run: int = validation.setting(5, validation.positive_int, (
         "Skipped steps between two reports that warn."))
-    window_underflow: object = _setting(None, _optional(validation.open_unit_interval), (
+    window_underflow: object = validation.setting(None, validation.optional(validation.open_unit_interval), (
         "The underflow a layer's window of scales tolerates (None: the "
         "optimizer's `underflow_rate`)."))
-    exploding_history: int = _setting(5, validation.positive_int, (
+    exploding_history: int = validation.setting(5, validation.positive_int, (
         "Fewest measurements of history before a norm can explode."), argument=False)
-    exploding_spread: float = _setting(0.1, validation.positive_float, (
+    exploding_spread: float = validation.setting(0.1, validation.positive_float, (
         "Least standard deviation (log10) of that history."), argument=False)
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = field.metadata["check"](field.name, getattr(self, field.name))
-            object.__setattr__(self, field.name, value)
+        validation.check_fields(self)
 
     def get_config(self):
         """Every setting, by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-ARGUMENTS = tuple(f.name for f in dataclasses.fields(Settings) if f.metadata["argument"])
+ARGUMENTS = tuple(f.name for f in dataclasses.fields(Settings) if f.metadata.get("argument", True))
 
 
 def args_doc(indent):
@@ -83,7 +72,7 @@ def args_doc(indent):
     return "\n".join(
         textwrap.fill(f"{f.name}: {f.metadata['doc']}", 72 + indent,
                       initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
-        for f in dataclasses.fields(Settings) if f.metadata["argument"])
+        for f in dataclasses.fields(Settings) if f.metadata.get("argument", True))
 
 
 class Flag(typing.NamedTuple):

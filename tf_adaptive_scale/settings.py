@@ -26,10 +26,6 @@ _CLIPPING_ARGUMENTS = (
 )
 
 
-def _optional(check):
-    return lambda name, value: None if value is None else check(name, value)
-
-
 def _scaling(name, value):
     return validation.one_of(name, value, scale_policy.SCALING_MODES)
 
@@ -54,10 +50,6 @@ def _percentile(name, value):
     return value
 
 
-def _setting(default, check, doc):
-    return dataclasses.field(default=default, metadata={"check": check, "doc": doc})
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The optimizer's arguments, checked (see its docstring for each).
@@ -68,66 +60,64 @@ class Settings:
     10
     """
 
-    scaling: object = _setting(None, _optional(_scaling), (
+    scaling: object = validation.setting(None, validation.optional(_scaling), (
         '`"adaptive"`, `"dynamic"`, `"static"`, `"none"` or `"per_layer"`. '
         "`None`: resolved at the first step (when an instrumented model is "
         "compiled; on JAX at `build`) from what the model computes: per "
         "layer for an instrumented model, adaptive where it computes in "
         "float16, else none. The resolved mode is saved."))
-    initial_scale: float = _setting(2.0**15, validation.power_of_two, (
+    initial_scale: float = validation.setting(2.0**15, validation.power_of_two, (
         "Power of two, the global scale before the first update (unused "
         "per layer)."))
-    dynamic_growth_steps: int = _setting(2000, validation.positive_int, (
+    dynamic_growth_steps: int = validation.setting(2000, validation.positive_int, (
         'Clean steps before a `"dynamic"` scale doubles.'))
-    min_scale: float = _setting(2.0**-32, validation.power_of_two, (
+    min_scale: float = validation.setting(2.0**-32, validation.power_of_two, (
         "Power of two, the smallest scale."))
-    max_scale: object = _setting(None, _optional(validation.power_of_two), (
+    max_scale: object = validation.setting(None, validation.optional(validation.power_of_two), (
         "Power of two, the largest scale (`None`: 2**24, or 2**64 per layer)."))
-    hysteresis: int = _setting(1, validation.positive_int, (
+    hysteresis: int = validation.setting(1, validation.positive_int, (
         "Consecutive overflows before the scale backs off."))
-    update_every: int = _setting(100, validation.positive_int, (
+    update_every: int = validation.setting(100, validation.positive_int, (
         "Steps between two measurements of the statistics."))
-    underflow_rate: float = _setting(1e-3, validation.open_unit_interval, (
+    underflow_rate: float = validation.setting(1e-3, validation.open_unit_interval, (
         "In (0, 1), the tolerated fraction of the nonzero gradient values "
         "below float16's smallest subnormal (2**-24)."))
-    underflow_criterion: str = _setting("count", _criterion, (
+    underflow_criterion: str = validation.setting("count", _criterion, (
         '`"count"` (of the values) or `"mass"` (of the squared norm).'))
-    headroom: float = _setting(2.0**4, _headroom, (
+    headroom: float = validation.setting(2.0**4, _headroom, (
         "Power of two in [1, 2**15] kept below float16's maximum."))
-    max_scale_rise: object = _setting(None, _optional(validation.positive_int), (
+    max_scale_rise: object = validation.setting(None, validation.optional(validation.positive_int), (
         "Optional most binades a scale rises per update."))
-    clipnorm: object = _setting(None, _optional_float, (
+    clipnorm: object = validation.setting(None, _optional_float, (
         "Clip each gradient tensor to this L2 norm."))
-    clipvalue: object = _setting(None, _optional_float, (
+    clipvalue: object = validation.setting(None, _optional_float, (
         "Clip each element to `[-clipvalue, clipvalue]`."))
-    global_clipnorm: object = _setting(None, _optional_float, (
+    global_clipnorm: object = validation.setting(None, _optional_float, (
         "Clip all gradients together to this L2 norm."))
-    autoclip_percentile: object = _setting(None, _optional(_percentile), (
+    autoclip_percentile: object = validation.setting(None, validation.optional(_percentile), (
         "In (0, 100]: AutoClip to this percentile of past norms."))
-    autoclip_window: int = _setting(1000, validation.positive_int, (
+    autoclip_window: int = validation.setting(1000, validation.positive_int, (
         "AutoClip's number of past norms."))
-    autoclip_per_variable: bool = _setting(False, validation.boolean, (
+    autoclip_per_variable: bool = validation.setting(False, validation.boolean, (
         "AutoClip each variable against its own history."))
-    agc_factor: object = _setting(None, _optional_float, (
+    agc_factor: object = validation.setting(None, _optional_float, (
         "AGC: the largest unit gradient/weight norm ratio."))
-    agc_eps: float = _setting(1e-3, validation.positive_float, (
+    agc_eps: float = validation.setting(1e-3, validation.positive_float, (
         "AGC's smallest weight norm."))
-    clippers: object = _setting(None, _optional(clipping.check_chain), (
+    clippers: object = validation.setting(None, validation.optional(clipping.check_chain), (
         "Optional list of `tas.clipping` clippers, run in its order (instead "
         "of the clipping arguments)."))
-    max_consecutive_skips: object = _setting(1000, _optional(validation.positive_int), (
+    max_consecutive_skips: object = validation.setting(1000, validation.optional(validation.positive_int), (
         "Skips in a row after which `check_progress()` raises "
         "`SkippedStepsError` (`None`: never)."))
-    accumulation_steps: int = _setting(1, validation.positive_int, (
+    accumulation_steps: int = validation.setting(1, validation.positive_int, (
         "Micro-batches (calls of `apply`, e.g. `fit`'s batches) per "
         "optimizer step: their unscaled gradients are summed in float32 "
         "and checked, clipped and applied (their mean) or skipped once; a "
         "window spans epochs and `fit` calls."))
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = field.metadata["check"](field.name, getattr(self, field.name))
-            object.__setattr__(self, field.name, value)
+        validation.check_fields(self)
         if self.min_scale > (self.max_scale or 2.0**float16.PER_LAYER_MAX_EXPONENT):
             # Wrong in every mode: refused now, not at the first step.
             raise ValueError(

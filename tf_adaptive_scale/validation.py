@@ -1,5 +1,6 @@
 """Argument checks that name the argument and what is allowed."""
 
+import dataclasses
 import math
 import numbers
 
@@ -64,3 +65,22 @@ def boolean(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool. Received: {value!r}")
     return value
+
+
+def setting(default, check, doc, **metadata):
+    """A field of a frozen settings dataclass: its default, its
+    `check(name, value)` (returns the value to keep) and its doc."""
+    return dataclasses.field(default=default, metadata=dict(metadata, check=check, doc=doc))
+
+
+def optional(check):
+    """`check`, letting None through."""
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def check_fields(settings):
+    """Runs every field's check on a frozen settings dataclass (from its
+    `__post_init__`), keeping the values the checks return."""
+    for field in dataclasses.fields(settings):
+        value = field.metadata["check"](field.name, getattr(settings, field.name))
+        object.__setattr__(settings, field.name, value)
