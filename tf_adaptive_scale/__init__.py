@@ -5,6 +5,7 @@
 from tf_adaptive_scale import demo_console  # noqa: I001
 from tf_adaptive_scale import clipping
 from tf_adaptive_scale import gradient_statistics
+from tf_adaptive_scale import optimizer_state
 from tf_adaptive_scale import scale_policy
 from tf_adaptive_scale.accumulation_model import ExactAccumulationModel
 from tf_adaptive_scale.accumulation_model import exact_accumulation
