@@ -217,3 +217,128 @@ def test_flags_are_marked_where_and_on_what_they_were_raised(tmp_path):
     report._draw_histograms(fig, run)
     titles = {ax.get_title() for ax in fig.axes}
     assert "head\nflagged: vanishing" in titles and "dense" in titles
+
+
+def _drawn(draw, run):
+    """The axes of one picture drawn from `run` (its first and the rest)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    draw(fig, run)
+    return fig.axes
+
+
+def _row_names(ax):
+    return [label.get_text() for label in ax.get_yticklabels()]
+
+
+def per_layer_records(reports=10):
+    """records() of a per-layer run: no global scale, a scale per layer."""
+    for record in records(reports):
+        record["global_scale"] = False
+        record["loss_scale"] = 1.0
+        for exponent, layer in zip((8, 12, 20), record["layers"].values()):
+            layer["scale"] = 2.0**exponent
+        yield record
+
+
+def test_one_report_draws_readable_pictures(tmp_path):
+    """One report (a short `fit`, the demo's --quick before): the step axis
+    spans the steps it stands for, from 0, not a point; the values are
+    written in; nothing skipped is said, not drawn."""
+    from tf_adaptive_scale import report
+
+    with open(tmp_path / "one.jsonl", "w") as f:
+        f.write(json.dumps(next(records(reports=1))) + "\n")
+    out = tmp_path / "out"
+    assert_pictures(plot_report(tmp_path / "one.jsonl", out), out, list(TITLES))
+    run = report._load(tmp_path / "one.jsonl")
+    ax = _drawn(report._draw_scales, run)[0]
+    assert ax.get_xlim() == (0.0, 100.0)
+    assert "15" in {t.get_text() for t in ax.texts}  # 2**15, written in
+    assert _row_names(ax) == ["global loss scale\n(every layer's: 3 layers)"]
+    assert "one report, at step 100" in ax.get_title()
+    ax = _drawn(report._draw_gradient_norms, run)[0]
+    assert ax.get_xlim() == (0.0, 100.0)
+    assert _row_names(ax) == list(LAYERS)
+    assert len(ax.texts) == 3 and "zero" in {t.get_text() for t in ax.texts}
+    axes = _drawn(report._draw_loss_and_skips, run)
+    assert len(axes) == 1  # no axis of skipped steps
+    left, right = axes[0].get_xlim()
+    assert left == 0 and right > 100
+    assert {t.get_text() for t in axes[0].texts} == {"1", "no step skipped"}
+
+
+def test_nothing_skipped_draws_no_dots_and_says_so():
+    from tf_adaptive_scale import report
+
+    logged = list(records())
+    for record in logged:
+        record.update(skipped_steps=0, skipped_since_last=0, skipped_at=[])
+    axes = _drawn(report._draw_loss_and_skips, report._from_records(logged))
+    assert len(axes) == 1
+    for line in axes[0].get_lines():  # the loss only
+        assert np.isfinite(line.get_ydata()).all() and (line.get_ydata() > 0).all()
+    assert "no step skipped" in {t.get_text() for t in axes[0].texts}
+    assert not axes[0].collections  # no skipped-step lines either
+
+
+def test_skipped_steps_are_drawn_when_there_are_some():
+    from tf_adaptive_scale import report
+
+    axes = _drawn(report._draw_loss_and_skips, report._from_records(list(records())))
+    assert len(axes) == 2  # the loss, and the cumulative skipped steps
+    assert "no step skipped" not in {t.get_text() for t in axes[0].texts}
+    assert axes[0].collections  # a red line at each skipped step
+
+
+def test_table_and_pictures_count_the_same_layers(tmp_path):
+    """The demo's table counts the layers of `layer_scales`, which are the
+    rows that scales.png and gradient_norms.png draw, many layers too."""
+    from tf_adaptive_scale import demo
+    from tf_adaptive_scale import report
+
+    logged = list(per_layer_records())
+    for record in logged:
+        for i in range(20):
+            record["layers"][f"model/block_{i}/conv"] = dict(
+                record["layers"]["dense"], scale=2.0 ** (i % 5))
+    with open(tmp_path / "scale_monitor.jsonl", "w") as f:
+        for record in logged:
+            f.write(json.dumps(record) + "\n")
+    scales = report.layer_scales(tmp_path)
+    assert list(scales) == list(logged[-1]["layers"])  # 23 layers
+    run = report._load(tmp_path)
+    ax = _drawn(report._draw_scales, run)[0]
+    assert _row_names(ax) == list(scales)  # no global row: per layer, it is 1
+    assert _row_names(_drawn(report._draw_gradient_norms, run)[0]) == list(scales)
+    last = {name: 2.0 ** ax.collections[0].get_array().reshape(len(scales), -1)[row, -1]
+            for row, name in enumerate(scales)}
+    assert last == scales
+    assert demo.scale_range(scales.values()) == "2**0 to 2**20"
+    note = demo.layers_note({"logged": scales, "unlogged": {"pool": 2.0**25}})
+    assert "the 23 layers with weights" in note and "pool" in note and "2**25" in note
+
+
+def test_a_log_of_two_runs_draws_the_last(tmp_path):
+    """A second run appended to the same log (its steps start again) is
+    drawn alone, with a warning."""
+    from tf_adaptive_scale import report
+
+    with open(tmp_path / "scale_monitor.jsonl", "w") as f:
+        for record in [*records(reports=4), *records(reports=2)]:
+            f.write(json.dumps(record) + "\n")
+    with pytest.warns(UserWarning, match="start again 1 time"):
+        run = report._load(tmp_path)
+    assert list(run["steps"]) == [100, 200]
+
+
+def test_a_history_without_scales_says_so(tmp_path):
+    from tf_adaptive_scale import report
+
+    run = report._from_history({"loss": [1.0, 0.5]})
+    ax = _drawn(report._draw_scales, run)[0]
+    assert any(t.get_text().startswith("Nothing to draw") for t in ax.texts)
+    ax = _drawn(report._draw_loss_and_skips, run)[0]
+    assert "skipped steps not recorded" in {t.get_text() for t in ax.texts}
+    assert ax.get_xlim()[0] == 0  # epochs 1 and 2, from 0

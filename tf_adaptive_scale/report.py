@@ -7,23 +7,39 @@ norms, gradient exponents and skipped steps. The same works from a shell:
 
     python -m tf_adaptive_scale.report LOG_DIR --out DIR
 
-Matplotlib is an optional dependency: `pip install tf_adaptive_scale[plot]`.
+Matplotlib is an optional dependency: `pip install matplotlib`, or the
+`[plot]` extra of a checkout (`pip install ".[plot]"`; not on PyPI).
+
+The pictures read at any run length and layer count: the scales and the
+gradient norms are heatmaps, one named row per layer (no legend, no line
+hidden under another), over a step axis from the first report's stretch of
+training to the last report, so that a single report still spans the steps
+it stands for; few reports get their values written in. What there is
+nothing to draw for (no step skipped, no loss recorded) is said in words.
 """
 
 import argparse
 import math
 import os
 import textwrap
+import warnings
 
 import numpy as np
 
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import monitor_log
 
-MAX_LEGEND_LAYERS = 12
 # Fewer reports than this are drawn with a marker at each (one point draws
 # no line).
 MARKED_POINTS = 30
+# At most this many reports: each loss value and gradient norm is written in.
+WRITTEN_POINTS = 5
+# A scale held over at least this share of the step axis has its exponent
+# written in.
+WRITTEN_SPAN = 0.04
+# A loss whose largest value is more than this many times its smallest is
+# drawn on a log axis.
+LOG_LOSS_RATIO = 20
 MAX_HISTOGRAM_LAYERS = 16
 
 
@@ -43,17 +59,22 @@ def float16_zones():
 def plot_report(source, out_dir):
     """Writes PNG pictures of a loss-scaling monitor log to `out_dir`.
 
-    `scales.png` (log2 of each layer's scale and of the global loss scale),
-    `gradient_norms.png` (a heatmap of the layers' gradient norms),
-    `histograms.png` (each layer's last gradient exponents, shifted by its
-    scale, against float16's range; flagged layers' titles in red) and
-    `loss_and_skips.png` (the loss, skipped steps, a dotted line at each
-    flag). Each PNG stores its title in its metadata, under "Title".
+    `scales.png` (log2 of each layer's scale and of the global loss scale,
+    a row per layer), `gradient_norms.png` (a heatmap of the layers'
+    gradient norms), `histograms.png` (each layer's last gradient exponents,
+    shifted by its scale, against float16's range; flagged layers' titles in
+    red) and `loss_and_skips.png` (the loss, skipped steps, a dotted line at
+    each flag). Each PNG stores its title in its metadata, under "Title".
+    The layers drawn are those the log names: the monitor logs the layers
+    with weights (per layer, `tas.instrument` also scales the gradients
+    passing through layers without weights; they are not logged).
 
     Args:
         source: A JSON-lines monitor log, a directory holding one, a
             `keras.callbacks.History` or its `.history` dict (one value per
-            epoch, no histograms).
+            epoch, no histograms). A log whose steps start again (a second
+            run into the same `log_dir`) is drawn from its last run on,
+            with a warning.
         out_dir: The directory to write to; created if missing.
 
     Returns:
@@ -71,7 +92,8 @@ def plot_report(source, out_dir):
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError(
-            "plot_report needs matplotlib: pip install tf_adaptive_scale[plot]"
+            "plot_report needs matplotlib: pip install matplotlib (or, from a "
+            "checkout of tf_adaptive_scale, pip install \".[plot]\")"
         ) from error
 
     run = _load(source)
@@ -88,6 +110,28 @@ def plot_report(source, out_dir):
     return paths
 
 
+def layer_scales(source):
+    """Each layer's scale at its last report, as `scales.png` draws it.
+
+    The layers are the log's (the monitor logs the layers with weights): the
+    rows of `scales.png` (which counts them in one row where every layer
+    carries the global loss scale), so a table built from this counts the
+    layers that the pictures draw.
+
+    Args:
+        source: As for `plot_report`.
+
+    Returns:
+        `{layer name: scale}`, in the log's order.
+    """
+    scales = {}
+    for name, layer in _load(source)["layers"].items():
+        known = layer["scale"][np.isfinite(layer["scale"])]
+        if known.size:
+            scales[name] = float(known[-1])
+    return scales
+
+
 def _load(source):
     """Reads `source` into the columns the pictures need (see `plot_report`)."""
     if hasattr(source, "history"):
@@ -102,7 +146,21 @@ def _load(source):
     records = monitor_log.read_lines(path)
     if not records:
         raise ValueError(f"The scale monitor log {path} has no records")
-    return _from_records(records)
+    return _from_records(_last_run(records, path))
+
+
+def _last_run(records, path="the log"):
+    """The records from the last place where the steps go back (a second
+    run appended to the same log; a resumed run continues the steps)."""
+    steps = [r.get("step", 0) for r in records]
+    starts = [i for i in range(1, len(steps)) if steps[i] < steps[i - 1]]
+    if not starts:
+        return records
+    warnings.warn(
+        f"{path}: the steps start again {len(starts)} time(s) (a new run into the "
+        f"same log); drawing the last run, its {len(records) - starts[-1]} of "
+        f"{len(records)} records", stacklevel=3)
+    return records[starts[-1]:]
 
 
 def _from_records(records):
@@ -116,19 +174,23 @@ def _from_records(records):
         }
         for name in names
     }
-    histograms = {}  # Each layer's last histogram, as (exponents, counts).
+    histograms = {}  # Each layer's last histogram, as (exponents, counts, step).
     for record in records:
         for name, layer in record.layers.items():
             if layer.histogram is not None:
                 counts = np.asarray(layer.histogram, dtype=float)
                 shift = record.exponent_min + np.log2(layer.scale)
-                histograms[name] = (np.arange(len(counts)) + shift, counts)
+                histograms[name] = (np.arange(len(counts)) + shift, counts, record.step)
+    from_fit = {r.from_fit for r in records}
     return {
         "step_label": "step",
         "steps": np.array([r.step for r in records]),
         # The mean loss since the report before (other reports: the loss
         # given, in `fit` Keras's running epoch mean, which jumps at every epoch).
         "loss": _column([r.interval_loss if r.from_fit else r.loss for r in records]),
+        "loss_label": ("mean loss since the report before" if from_fit == {True}
+                       else "loss" if from_fit == {False}
+                       else "loss (in fit: mean since the report before)"),
         "global_scale": records[-1].global_scale,
         "loss_scale": _column([r.loss_scale for r in records]),
         "skipped_steps": _column([r.skipped_steps for r in records]),
@@ -155,8 +217,9 @@ def _from_history(history):
     skipped = column("scale/skipped_steps")
     return {
         "step_label": "epoch",
-        "steps": np.arange(epochs),
+        "steps": np.arange(1, epochs + 1),  # Keras counts epochs from 1
         "loss": column("loss"),
+        "loss_label": "loss (epoch mean)",
         "global_scale": True,
         "loss_scale": column("scale/loss_scale"),
         "skipped_steps": skipped,
@@ -180,39 +243,152 @@ def _marker(run):
     return "o" if len(run["steps"]) < MARKED_POINTS else None
 
 
+def _x_axis(run):
+    """Where each report sits on the x axis, the edges of the stretch of
+    training each stands for (`len(steps) + 1` of them) and the axis label.
+
+    A report at step s stands for the steps since the report before; the
+    first, for as many steps before it as the next is after it (a single
+    report: from step 0), so one report still spans an axis."""
+    steps = np.asarray(run["steps"], dtype=float)
+    gap = steps[1] - steps[0] if steps.size > 1 else steps[0]
+    if gap <= 0:
+        gap = 1.0
+    start = steps[0] - gap
+    if steps[0] > 0:
+        start = max(start, 0.0)
+    return steps, np.concatenate([[start], steps]), run["step_label"]
+
+
+def _span(run):
+    """What the x axis covers, in words (each picture's subtitle)."""
+    steps, label = run["steps"], run["step_label"]
+    if label == "epoch":
+        return f"{len(steps)} epoch{'s' if len(steps) > 1 else ''} (History: one value per epoch)"
+    if len(steps) == 1:
+        first, step = _x_axis(run)[1][0], int(steps[0])
+        return f"one report, at step {step} (drawn over steps {first:g} to {step})"
+    return f"{len(steps)} reports, steps {int(steps[0])} to {int(steps[-1])}"
+
+
+def _row_height(rows):
+    """The height in inches of a picture with a row per layer: the names
+    stay legible at any count."""
+    return max(3.2, 1.6 + 0.3 * min(rows, 40) + 0.16 * max(rows - 40, 0))
+
+
+def _label_rows(ax, names):
+    ax.set_yticks(np.arange(len(names)) + 0.5, names,
+                  fontsize="small" if len(names) <= 40 else "x-small")
+    ax.set_ylim(len(names), 0)  # The first row at the top.
+
+
+def _ink(mesh, value):
+    """Black or white, whichever reads on the cell's colour."""
+    red, green, blue, _ = mesh.cmap(mesh.norm(value))
+    return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
+
+
+def _runs(values):
+    """The stretches of equal finite values: `(first, stop, value)`."""
+    found, first = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[first]:
+            if np.isfinite(values[first]):
+                found.append((first, i, values[first]))
+            first = i
+    return found
+
+
+def _say(ax, text):
+    """Writes why there is nothing to draw where the drawing would be."""
+    ax.text(0.5, 0.5, textwrap.fill(text, 50), transform=ax.transAxes, ha="center",
+            va="center")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _scale_rows(run):
+    """The rows of `scales.png`: `(name, log2 scales)`. The global loss
+    scale has a row where it multiplies the loss; when every layer carries
+    just that scale, the one row says so and counts them."""
+    layers = [(name, np.log2(layer["scale"])) for name, layer in run["layers"].items()]
+    if not (run["global_scale"] and np.isfinite(run["loss_scale"]).any()):
+        return layers
+    global_row = np.log2(run["loss_scale"])
+    if layers and all(np.allclose(v, global_row, equal_nan=True) for _, v in layers):
+        count = f"{len(layers)} layer{'s' if len(layers) > 1 else ''}"
+        return [(f"global loss scale\n(every layer's: {count})", global_row)]
+    if layers and np.all(global_row[np.isfinite(global_row)] == 0):
+        return layers  # A global scale of 1 beside layers' own (a per-layer History).
+    return [("global loss scale", global_row)] + layers
+
+
 def _draw_scales(fig, run):
+    from matplotlib import colormaps
+    from matplotlib import colors
+    from matplotlib import ticker
+
+    rows = _scale_rows(run)
+    fig.set_figheight(_row_height(len(rows)))
     ax = fig.subplots()
-    few = len(run["layers"]) <= MAX_LEGEND_LAYERS
-    for name, layer in run["layers"].items():
-        ax.plot(run["steps"], np.log2(layer["scale"]), marker=_marker(run),
-                label=name if few else None)
-    if run["global_scale"]:
-        ax.plot(run["steps"], np.log2(run["loss_scale"]), "k--", marker=_marker(run),
-                label="global loss_scale")
-    ax.set(xlabel=run["step_label"], ylabel="log2 scale")
-    ax.yaxis.get_major_locator().set_params(integer=True)  # scales are powers of two
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
+    ax.set_title(_span(run) + "\nnumbers: log2 of the scale", fontsize="small")
+    values = np.ma.masked_invalid(np.array([v for _, v in rows], dtype=float))
+    if not rows or not values.count():
+        _say(ax, "Nothing to draw: the log holds no scales (no layer reported).")
+        return
+    _, edges, label = _x_axis(run)
+    low, high = math.floor(values.min()), math.ceil(values.max())
+    cmap = colormaps["viridis"].with_extremes(bad="white")
+    # One colour per power of two; the written exponents say which.
+    norm = colors.BoundaryNorm(np.arange(low, high + 2) - 0.5, cmap.N)
+    mesh = ax.pcolormesh(edges, np.arange(len(rows) + 1), values, cmap=cmap, norm=norm)
+    width = edges[-1] - edges[0]
+    for row, (_, line) in enumerate(rows):
+        for first, stop, value in _runs(line):
+            if (edges[stop] - edges[first]) / width >= WRITTEN_SPAN:
+                ax.text((edges[first] + edges[stop]) / 2, row + 0.5, f"{value:g}",
+                        ha="center", va="center", fontsize="x-small",
+                        color=_ink(mesh, value))
+    _label_rows(ax, [name for name, _ in rows])
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel(label)
+    ticks = [low] if low == high else ticker.MaxNLocator(integer=True).tick_values(low, high)
+    fig.colorbar(mesh, ax=ax, label="log2 scale",
+                 ticks=[t for t in ticks if low <= t <= high])
 
 
 def _draw_gradient_norms(fig, run):
     from matplotlib import colormaps
 
     names = list(run["layers"])
-    fig.set_figheight(2 + 0.3 * len(names))
+    fig.set_figheight(_row_height(len(names)))
     norms = np.array([run["layers"][name]["grad_norm"] for name in names])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        logs = np.ma.masked_invalid(np.log10(norms))  # Zero norms are masked.
-    cmap = colormaps["viridis"]
     ax = fig.subplots()
-    image = ax.imshow(
-        logs, aspect="auto", interpolation="nearest", cmap=cmap.with_extremes(bad=cmap(0.0))
-    )
-    columns = np.unique(np.linspace(0, len(run["steps"]) - 1, 8).astype(int))
-    ax.set_xticks(columns, run["steps"][columns])
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel(run["step_label"])
-    fig.colorbar(image, ax=ax, label="log10 gradient norm")
+    ax.set_title(_span(run), fontsize="small")
+    if not (norms > 0).any():
+        _say(ax, "Nothing to draw: the log holds no gradient norm above zero.")
+        return
+    with np.errstate(divide="ignore"):
+        logs = np.log10(norms)
+    logs[np.isneginf(logs)] = logs[np.isfinite(logs)].min()  # zero: the darkest
+    logs = np.ma.masked_invalid(logs)  # not reported: white
+    _, edges, label = _x_axis(run)
+    mesh = ax.pcolormesh(edges, np.arange(len(names) + 1), logs,
+                         cmap=colormaps["viridis"].with_extremes(bad="white"))
+    if len(run["steps"]) <= WRITTEN_POINTS:
+        for row, column in np.ndindex(norms.shape):
+            norm = norms[row, column]
+            if np.isfinite(norm):
+                positive = norm > 0
+                ax.text((edges[column] + edges[column + 1]) / 2, row + 0.5,
+                        f"{np.log10(norm):.1f}" if positive else "zero",
+                        ha="center", va="center", fontsize="x-small",
+                        color=_ink(mesh, logs[row, column]) if positive else "white")
+    _label_rows(ax, names)
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel(label)
+    fig.colorbar(mesh, ax=ax, label="log10 gradient norm (zero: darkest)")
 
 
 def _draw_histograms(fig, run):
@@ -227,7 +403,7 @@ def _draw_histograms(fig, run):
     for _, kind, layer in run["flags"]:
         flagged.setdefault(layer, []).append(kind)
     for ax, name in zip(axes, shown):
-        exponents, counts = run["histograms"][name]
+        exponents, counts, _ = run["histograms"][name]
         occupied = exponents[counts > 0]
         low = occupied.min(initial=underflow) - 2
         high = occupied.max(initial=overflow) + 3  # A bar spans [x, x + 1).
@@ -246,37 +422,61 @@ def _draw_histograms(fig, run):
     for ax in axes[len(shown):]:
         ax.set_axis_off()
     axes[0].legend(fontsize="x-small", loc="upper left")
+    steps = sorted({int(run["histograms"][name][2]) for name in names})
+    note = (f"each layer at the last report, step {steps[0]}" if len(steps) == 1
+            else f"each layer at its last report (steps {steps[0]} to {steps[-1]})")
     if rest:
-        note = "Not shown: " + ", ".join(rest)
-        fig.supxlabel(textwrap.fill(note, 30 * ncols), fontsize="small")
+        note += f"; {len(rest)} more not shown: " + ", ".join(rest)
+    fig.supxlabel(textwrap.fill(note, 30 * ncols), fontsize="small")
 
 
 def _draw_loss_and_skips(fig, run):
-    steps = run["steps"]
+    steps, edges, label = _x_axis(run)
     ax = fig.subplots()
+    ax.set_title(_span(run), fontsize="small")
     known = np.isfinite(run["loss"])
-    ax.plot(steps[known], run["loss"][known], marker=_marker(run), label="loss")
-    ax.set(xlabel=run["step_label"], ylabel="loss")
+    if known.any():
+        losses = run["loss"][known]
+        if losses.min() > 0 and losses.max() > LOG_LOSS_RATIO * losses.min():
+            ax.set_yscale("log")  # the first steps' loss would flatten the rest
+        ax.plot(steps[known], losses, marker=_marker(run), label="loss")
+        if known.sum() <= WRITTEN_POINTS:
+            for step, loss in zip(steps[known], losses):
+                ax.annotate(f"{loss:.4g}", (step, loss), xytext=(0, 7),
+                            textcoords="offset points", ha="center", fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no loss recorded", transform=ax.transAxes, ha="center")
+    ax.set(xlabel=label, ylabel=run["loss_label"])
+    # From the first report's stretch to just past the last report.
+    ax.set_xlim(edges[0], edges[-1] + 0.03 * (edges[-1] - edges[0]))
+    for step, kind, layer in run["flags"]:
+        ax.axvline(step, color="tab:orange", linestyle=":")
+        ax.annotate(f"{kind}: {layer}", (step, 0.98), xycoords=("data", "axes fraction"),
+                    rotation=90, va="top", ha="right", fontsize="x-small", color="tab:orange")
+    skipped = run["skipped_steps"]
+    total = np.nanmax(skipped) if np.isfinite(skipped).any() else None
+    if not run["skipped_at"] and not total:
+        # Nothing skipped: said in words, no row of zeros drawn.
+        ax.text(0.99, 0.98, "skipped steps not recorded" if total is None
+                else "no step skipped", transform=ax.transAxes, ha="right", va="top",
+                fontsize="small", color="grey")
+        return
     if run["skipped_at"]:
         ax.vlines(
             run["skipped_at"], 0, 1, transform=ax.get_xaxis_transform(),
             colors="red", alpha=0.6, label="skipped step",
         )
-    for step, kind, layer in run["flags"]:
-        ax.axvline(step, color="tab:orange", linestyle=":")
-        ax.annotate(f"{kind}: {layer}", (step, 0.98), xycoords=("data", "axes fraction"),
-                    rotation=90, va="top", ha="right", fontsize="x-small", color="tab:orange")
     twin = ax.twinx()
     twin.plot(
-        steps, run["skipped_steps"], color="grey", drawstyle="steps-post",
+        steps, skipped, color="grey", drawstyle="steps-post",
         marker=_marker(run), label="skipped steps (cumulative)",
     )
     new = run["skipped_since_last"] > 0
     if not run["skipped_at"] and new.any():
-        twin.plot(steps[new], run["skipped_steps"][new], "rv", label="report with skipped steps")
+        twin.plot(steps[new], skipped[new], "rv", label="report with skipped steps")
     twin.set_ylabel("skipped steps (cumulative)")
-    # Counts: from zero, whole numbers (no -0.04..0.04 axis for no skips).
-    twin.set_ylim(0, max(1.0, np.nanmax(run["skipped_steps"], initial=0.0)) * 1.05)
+    # Counts: from zero, whole numbers.
+    twin.set_ylim(0, max(1.0, total or 0.0) * 1.05)
     twin.yaxis.get_major_locator().set_params(integer=True)
     handles, labels = ax.get_legend_handles_labels()
     twin_handles, twin_labels = twin.get_legend_handles_labels()
