@@ -2,8 +2,8 @@
 
 A small MLP trains on generated data with `tas.AdaptiveLossScaleOptimizer`.
 Every `--every` steps the monitor reads what the optimizer measured inside
-the compiled step and adds it to `logs`, so the `History` that `fit` returns
-gains `scale/...` keys (loss scale, skipped steps, gradient norm, clip rate)
+the compiled step and records it in the `History` that `fit` returns:
+`scale/...` keys (loss scale, skipped steps, gradient norm, clip rate)
 and per-layer `layer/<name>/...` keys (gradient norm, scale, share of the
 gradient values that underflow or overflow float16). It also writes them to
 TensorBoard and to `OUT/logs/scale_monitor.jsonl`; `tas.plot_report` then
@@ -95,8 +95,9 @@ def main(argv=None):
     print("History gained:", ", ".join(scale_keys))
     print(f"  and {len(layer_keys)} per-layer keys, e.g.",
           ", ".join(k for k in layer_keys if k.startswith("layer/hidden_1/")))
-    # Layer names come from the variables' paths: "layer/<name>/<key>".
-    layers = sorted({k.split("/")[1] for k in layer_keys})
+    # "layer/<name>/<key>", the name the layer's path in the model
+    # (docs/monitor.md, "Layer names").
+    layers = sorted({k[len("layer/"):].rsplit("/", 1)[0] for k in layer_keys})
     for name in layers:
         print(
             f"  {name}: grad norm {history[f'layer/{name}/grad_norm'][-1]:.3g} "

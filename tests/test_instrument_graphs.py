@@ -146,10 +146,11 @@ def test_masking_models_match(build):
     instrumented = assert_exact(model, x, y)
     units = instrumented.scale_table.unit_names
     assert any("not_equal" in name for name in units) or build is masking_average
-    # A nested model fed a masked tensor is inlined; its layers get the mask.
+    # A nested model fed a masked tensor is inlined; its layers get the mask
+    # (units named by their path: docs/monitor.md, "Layer names").
     for layer in model.layers:
         if isinstance(layer, keras.Model):
-            assert layer.name not in units and layer.layers[-1].name in units
+            assert layer.name not in units and f"{layer.name}/{layer.layers[-1].name}" in units
 
 
 def test_mask_reaches_the_loss_and_evaluate_needs_no_optimizer():
@@ -199,7 +200,7 @@ def test_nested_models_with_clashing_layer_names():
     units = instrumented.scale_table.unit_names
     # The clashing blocks are units of their own; the clean one is inlined.
     assert first.name in units and second.name in units and "proj" not in units
-    assert clean.name not in units and clean.layers[0].name in units
+    assert clean.name not in units and f"{clean.name}/{clean.layers[0].name}" in units
     assert units.count(first.name) == 1 and "shared_dense" not in units
     assert instrumented.unit_members[first.name] == [first.name, "shared_dense"]
     unit_of = {id(v): instrumented.scale_table.unit_of(v) for v in instrumented.trainable_variables

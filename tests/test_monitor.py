@@ -549,3 +549,255 @@ def test_the_forward_search_runs_once_per_run_of_non_finite_losses(float16_polic
                   verbose=0)
     assert len(monitor.records) == 8 and not any(r["loss_finite"] for r in monitor.records)
     assert len(searched) == 1
+
+
+# One name per layer (docs/monitor.md, "Layer names").
+
+
+def dead_first_layer_sequential():
+    """A Sequential `dense` (16, relu) -> `dense_1` (1) whose first layer is
+    dead (zero kernel, bias -1: its ReLU output and gradient always 0)."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    kernel, bias = model.layers[0].get_weights()
+    model.layers[0].set_weights([np.zeros_like(kernel), np.full_like(bias, -1.0)])
+    return model
+
+
+def test_sequential_snippet_keys_are_the_names_layer_scales_and_flags_use(float16_policy):
+    """The README's monitor snippet on a Sequential model: Keras's variable
+    paths carry the model's scope (`sequential/dense/kernel`), the monitor's
+    keys, `gradient_scales()`, `layer_scales()` (per layer) and the flags
+    do not (`dense`)."""
+    keras.backend.clear_session()  # fresh automatic names: dense, dense_1
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = dead_first_layer_sequential()
+    assert [layer.name for layer in model.layers] == ["dense", "dense_1"]
+    assert model.layers[0].kernel.path == "sequential/dense/kernel"
+    x, y = data()
+    runs = {}
+    for mode in ("adaptive", "per_layer"):
+        trained = tas.instrument(model) if mode == "per_layer" else model
+        opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), scaling=mode,
+                                             update_every=1)
+        trained.compile(opt, "mse", jit_compile=True)
+        monitor = tas.ScaleMonitor(every_n_steps=2, patience=2, verbose=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            history = trained.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor])
+        runs[mode] = history, opt, monitor
+    for mode, (history, opt, monitor) in runs.items():
+        assert "layer/dense/grad_norm" in history.history, mode
+        assert "layer/dense_1/grad_norm" in history.history, mode
+        assert not any("sequential" in key for key in history.history), mode
+        assert set(monitor.records[-1]["layers"]) == {"dense", "dense_1"}, mode
+        assert {s[0] for s in opt.gradient_scales() if s is not None} == {"dense", "dense_1"}
+        never = [f["layer"] for f in monitor.flags if f["kind"] == "never_updates"]
+        assert never == ["dense"], (mode, monitor.flags)
+    assert set(runs["per_layer"][1].layer_scales()) == {"dense", "dense_1"}
+    # A custom loop's optimizer, never shown the model, names them alike
+    # from the variables' paths.
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), update_every=1)
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x)))
+    opt.apply(tape.gradient(loss, variables), variables)
+    assert [s[0] for s in opt.gradient_scales()] == ["dense"] * 2 + ["dense_1"] * 2
+
+
+class _Net(keras.Model):
+    """A subclassed model of two Dense layers `a`, `b`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = keras.layers.Dense(16, activation="relu", name="a")
+        self.b = keras.layers.Dense(1, name="b")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def named_models():
+    """`{kind: (model, Keras's path of `a`'s kernel, expected names)}`."""
+    def block(functional):
+        if functional:
+            inputs = keras.Input((16,))
+            out = keras.layers.Dense(1, name="d")(keras.layers.Dense(16, name="c")(inputs))
+            return keras.Model(inputs, out, name="block")
+        return keras.Sequential(
+            [keras.layers.Dense(16, name="c"), keras.layers.Dense(1, name="d")], name="block")
+
+    def functional(nested=None):
+        x = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu", name="a")(x)
+        out = keras.layers.Dense(1, name="b")(h) if nested is None else block(nested)(h)
+        return keras.Model(x, out, name="outer")
+
+    subclassed = _Net(name="net")
+    subclassed(np.zeros((1, 8), "float32"))
+    flat, nested = {"a", "b"}, {"a", "block/c", "block/d"}
+    return {
+        "functional": (functional(), "a/kernel", flat),
+        "nested_sequential": (functional(nested=False), "a/kernel", nested),
+        "nested_functional": (functional(nested=True), "a/kernel", nested),
+        "sequential_in_sequential": (keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="a"),
+             block(functional=False)], name="outer"), "outer/a/kernel", nested),
+        "subclassed": (subclassed, "net/a/kernel", flat),
+    }
+
+
+@pytest.mark.parametrize("kind", ["functional", "nested_sequential", "nested_functional",
+                                  "sequential_in_sequential", "subclassed"])
+def test_layers_are_named_by_their_path_in_the_model_whatever_keras_paths_say(kind):
+    """Keras's variable paths differ by how the model was built (Sequential
+    and subclassed models put their own scope first; a nested Functional
+    model's layers carry none); the monitor's names are the layers' paths
+    in the model as built, in both modes."""
+    model, path, names = named_models()[kind]
+    assert model.get_layer("a").kernel.path == path  # what Keras gives
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    history, opt = fit(model, monitor, epochs=1, update_every=4)
+    assert set(monitor.records[-1]["layers"]) == names
+    assert {s[0] for s in opt.gradient_scales()} == names
+    assert {k.split("/grad_norm")[0][len("layer/"):] for k in history.history
+            if k.endswith("/grad_norm") and k.startswith("layer/")} == names
+    if kind.startswith("nested"):  # per layer: the nested model inlined, its units alike
+        instrumented = tas.instrument(model)
+        monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+        fit(instrumented, monitor, epochs=1, update_every=4, scaling="per_layer")
+        assert set(instrumented.layer_scales()) == names
+        assert set(monitor.records[-1]["layers"]) == names
+
+
+# The progress bar.
+
+
+def progress_widths(capsys, model, monitor_args):
+    """The visible width of every progress-bar line of a 2-epoch `fit`
+    (verbose=1: Keras redraws the line after backspaces and a carriage
+    return, or prints a line per update; colour codes and the padding of a
+    shorter redraw are not counted), with a monitor unless `monitor_args`
+    is None."""
+    callbacks = [] if monitor_args is None else [tas.ScaleMonitor(verbose=0, **monitor_args)]
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), update_every=2),
+                  "mse", jit_compile=True)
+    x, y = data()
+    capsys.readouterr()
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=1, callbacks=callbacks)
+    out = re.sub(r"\x1b\[[0-9;]*m|\x08", "", capsys.readouterr().out)  # colours, backspaces
+    lines = [line.rstrip() for line in re.split(r"[\r\n]", out) if "/step" in line]
+    assert lines
+    return [len(line) for line in lines], history
+
+
+def test_the_progress_bar_stays_one_short_line_for_a_twenty_layer_model(float16_policy, capsys):
+    """Keras prints every key of `logs` on the bar: the monitor puts two
+    there; the per-layer keys reach `History` all the same."""
+    def model():
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(8, activation="relu", name=f"l{i}") for i in range(19)]
+        return keras.Sequential([keras.Input((8,)), *layers, keras.layers.Dense(1, name="l19")])
+
+    plain, _ = progress_widths(capsys, model(), None)
+    monitored, history = progress_widths(capsys, model(), {"every_n_steps": 2})
+    flood, _ = progress_widths(capsys, model(), {"every_n_steps": 2, "per_layer_logs": True})
+    print(f"progress line widths: plain {max(plain)}, monitored {max(monitored)}, "
+          f"per_layer_logs=True {max(flood)}")
+    assert max(monitored) <= min(max(plain) + 80, 160), (plain, monitored)
+    assert max(flood) > 20 * 100  # every layer's keys, as before
+    for i in range(20):
+        for field in ("grad_norm", "scale", "zeros", "zero_fraction", "underflow", "overflow"):
+            assert len(history.history[f"layer/l{i}/{field}"]) == 2
+    assert len(history.history["scale/grad_norm"]) == 2
+
+
+# Underflow and exact zeros, apart.
+
+
+def dead_units_model(dead=6):
+    """Functional `hidden` (16, relu) -> `head` (4) whose first `dead` hidden
+    units are dead (zero weights, bias -1: output and gradient always 0)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+    model = keras.Model(x, keras.layers.Dense(4, name="head")(hidden(x)))
+    kernel, bias = (np.array(w) for w in hidden.get_weights())
+    kernel[:, :dead], bias[:dead] = 0.0, -1.0
+    hidden.set_weights([kernel, bias])
+    return model
+
+
+def float64_gradients(model, x, y):
+    """`{layer: its gradient values}` of the mean squared error, in float64,
+    by hand."""
+    w1, b1, w2, b2 = (np.asarray(w, np.float64) for w in model.get_weights())
+    x = np.asarray(x, np.float64)
+    before = x @ w1 + b1
+    hidden = np.maximum(before, 0.0)
+    d_out = 2.0 * (hidden @ w2 + b2 - y) / y.size
+    d_hidden = (d_out @ w2.T) * (before > 0)
+    return {"hidden": np.concatenate([(x.T @ d_hidden).ravel(), d_hidden.sum(0)]),
+            "head": np.concatenate([(hidden.T @ d_out).ravel(), d_out.sum(0)])}
+
+
+def test_underflow_and_exact_zeros_are_reported_apart():
+    """Dead units' exact zeros go to `zero_fraction`; `underflow` counts
+    only nonzero values below float16's smallest subnormal (2**-24) at the
+    scale used. float32 gradients at a static scale 2**4 (what float16
+    would lose there), against float64 gradients computed by hand."""
+    model = dead_units_model()
+    rng = np.random.default_rng(0)
+    # Inputs spanning 2**0 to 2**-28: part of the first layer's gradient
+    # falls below 2**-24 / 2**4.
+    x = (rng.standard_normal((64, 8)) * 2.0 ** (-4.0 * np.arange(8))).astype("float32")
+    y = rng.standard_normal((64, 4)).astype("float32")
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), scaling="static",
+                                         initial_scale=2.0**4, update_every=1)
+    model.compile(opt, "mse")
+    monitor = tas.ScaleMonitor(verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[monitor])
+    record = monitor.records[-1]
+    reference = float64_gradients(model, x, y)
+    values = zeros = lost = 0
+    for name, g in reference.items():
+        nonzero = g[g != 0]
+        below = np.sum(np.abs(nonzero) * 2.0**4 < 2.0**-24)
+        layer = record["layers"][name]
+        assert layer["zeros"] == np.sum(g == 0)
+        assert layer["zero_fraction"] == pytest.approx(np.mean(g == 0))
+        assert layer["underflow"] == pytest.approx(below / nonzero.size, abs=1.5 / nonzero.size)
+        assert history.history[f"layer/{name}/zero_fraction"] == [layer["zero_fraction"]]
+        values, zeros, lost = values + g.size, zeros + np.sum(g == 0), lost + below
+    # The setup: dead units' zeros, and some nonzero values underflow.
+    assert record["layers"]["hidden"]["zero_fraction"] == pytest.approx(6 / 16)
+    assert 0.05 < record["layers"]["hidden"]["underflow"] < 0.5
+    assert record["zero_fraction"] == pytest.approx(zeros / values)
+    assert record["underflow"] == pytest.approx(lost / (values - zeros), abs=1.5 / values)
+    # The optimizer's `underflow_fraction` counts the zeros as underflowed.
+    assert float(opt.underflow_fraction) == pytest.approx((zeros + lost) / values, abs=2 / values)
+
+
+def test_a_healthy_float16_model_with_dead_units_shows_zeros_not_underflow(float16_policy):
+    """mixed_float16, adaptive scale: the dead units make many of the
+    values zero (about half); nothing underflows. `underflow_fraction`, which
+    counts them as underflowed, says about half too."""
+    model = dead_units_model(dead=8)
+    x, _ = data()
+    y = np.random.default_rng(1).standard_normal((64, 4)).astype("float32")
+    monitor = tas.ScaleMonitor(every_n_steps=8, verbose=0)
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.0), update_every=1),
+                  "mse", jit_compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[monitor])
+    record = monitor.records[-1]
+    reference = float64_gradients(model, x, y)
+    expected = sum(np.sum(g == 0) for g in reference.values()) / sum(
+        g.size for g in reference.values())
+    assert expected > 0.2  # the dead units' zeros
+    assert record["zero_fraction"] == pytest.approx(expected, abs=0.02)
+    assert record["underflow"] < 0.002
+    assert float(monitor.optimizer.underflow_fraction) > 0.2  # zeros counted there

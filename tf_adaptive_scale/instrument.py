@@ -51,19 +51,19 @@ def instrument(model, initial_scale=1.0):
     # A Sequential model's `input` is undefined until it is called.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
     input_names = [x.name for x in keras.tree.flatten(structure)]
-    inlined, groups = _plan(model, structure, input_names)
+    inlined, groups, paths = _plan(model, structure, input_names)
     inputs = keras.tree.map_structure(
         lambda x: keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name),
         structure,
     )
-    table = _scale_table(groups, input_names, initial_scale)
+    table = _scale_table(groups, paths, input_names, initial_scale)
     outputs = _InstrumentedGraph(table, inputs, inlined, groups).outputs(model)
     return InstrumentedModel(
         inputs,
         outputs,
         name=f"{model.name}_instrumented",
         output_names=getattr(model, "output_names", None),
-        unit_members=_unit_members(groups) or None,
+        unit_members=_unit_members(groups, paths) or None,
     )
 
 
@@ -85,10 +85,12 @@ def _check_instrumentable(model):
         )
 
 
-def _scale_table(groups, input_names, initial_scale):
-    """The `ScaleTable` of the loss unit and one unit per group, under a name
-    no unit or input has."""
-    units = ["loss"] + [group[0].name for group in groups]
+def _scale_table(groups, paths, input_names, initial_scale):
+    """The `ScaleTable` of the loss unit and one unit per group, named by its
+    first operation's path in `model` (`block/dense_2` for a layer of an
+    inlined model `block`: `layer_names`), under a name no unit or input
+    has."""
+    units = ["loss"] + [paths[id(group[0])] for group in groups]
     taken = set(units) | set(input_names)
     name = "gradient_scales"
     while name in taken:
@@ -96,10 +98,13 @@ def _scale_table(groups, input_names, initial_scale):
     return ScaleTable(units, initial_scale=initial_scale, name=name)
 
 
-def _unit_members(groups):
-    """`{unit name: operation names}` for the units of several operations."""
+def _unit_members(groups, paths):
+    """`{unit name: operation names}` for the units of several operations,
+    or named by a path (an inlined model's layer)."""
     return {
-        group[0].name: [op.name for op in group] for group in groups if len(group) > 1
+        paths[id(group[0])]: [op.name for op in group]
+        for group in groups
+        if len(group) > 1 or paths[id(group[0])] != group[0].name
     }
 
 
@@ -474,17 +479,19 @@ def _plan(model, structure, input_names):
         input_names: Their names.
 
     Returns:
-        `(inlined, groups)`: ids of the inlined models, and the units as
-        lists of operations (the first names the unit), in graph order.
+        `(inlined, groups, paths)`: ids of the inlined models, the units as
+        lists of operations (the first names the unit), in graph order, and
+        `{id(operation): its path in model}` (`block/dense_2` inside an
+        inlined `block`).
     """
     graphs, refused = _nested_graphs(model)
     inlined = {id(g) for g in graphs[1:] if id(g) not in refused}
-    inlined, ops = _without_name_clashes(model, inlined, input_names)
+    inlined, ops, paths = _without_name_clashes(model, inlined, input_names)
     arguments = {}
     for graph in graphs:
         arguments.update(_argument_variables(_calls(graph)))
     reads = _read_variables(model, structure, inlined)
-    return inlined, _group_by_variables(ops, arguments, reads)
+    return inlined, _group_by_variables(ops, arguments, reads), paths
 
 
 def _nested_graphs(model):
@@ -510,19 +517,19 @@ def _nested_graphs(model):
 
 
 def _without_name_clashes(model, inlined, input_names):
-    """`(inlined, ops)`: `inlined` less the models whose inlining would give
-    two operations (or an operation and an input) one name, and the unit
-    operations that leaves, in graph order.
+    """`(inlined, ops, paths)`: `inlined` less the models whose inlining
+    would give two operations (or an operation and an input) one name, the
+    unit operations that leaves, in graph order, and their paths.
 
     Each round keeps whole the innermost models holding a clashing name;
     a clash no model holds (two top-level operations) is an error.
     """
     while True:
-        ops, parents = [], {}
-        _collect(model, None, inlined, ops, parents)
+        ops, parents, paths = [], {}, {}
+        _collect(model, None, inlined, ops, parents, paths)
         clashes = _name_clashes(ops, input_names)
         if not clashes:
-            return inlined, ops
+            return inlined, ops, paths
         collapse = {
             id(parent)
             for keys in clashes.values()
@@ -553,15 +560,17 @@ def _name_clashes(ops, input_names):
     }
 
 
-def _collect(graph, parent, inlined, ops, parents):
-    """Appends the unit operations under `graph` (each once) to `ops`."""
+def _collect(graph, parent, inlined, ops, parents, paths, prefix=""):
+    """Appends the unit operations under `graph` (each once) to `ops`, and
+    their paths (`prefix` and their names) to `paths`."""
     for op in _operations(graph):
         if id(op) in inlined:
-            _collect(op, op, inlined, ops, parents)
+            _collect(op, op, inlined, ops, parents, paths, f"{prefix}{op.name}/")
             continue
         if id(op) not in parents:
             ops.append(op)
             parents[id(op)] = []
+            paths[id(op)] = prefix + op.name
         if all(p is not parent for p in parents[id(op)]):
             parents[id(op)].append(parent)
 

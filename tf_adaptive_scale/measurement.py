@@ -19,6 +19,7 @@ from tf_adaptive_scale import float16
 from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import keras_internals
+from tf_adaptive_scale import layer_names
 from tf_adaptive_scale.optimizer_state import StateVariable
 
 # Packed per-replica (or per-micro-batch) measurement: histogram, zeros, peak.
@@ -263,13 +264,16 @@ def read(measured, loss_scale, total_steps, skipped_steps, loss_finite, clipped_
     )
 
 
-def gradient_scales(variables, tables, loss_scale):
+def gradient_scales(variables, tables, loss_scale, names=None):
     """Where each variable's gradient was scaled, and by what.
 
     Args:
         variables: The optimizer's trainable variables.
         tables: The instrumented models' `ScaleTable`s among them.
         loss_scale: The global scale variable.
+        names: Optional `{id(variable): layer name}` (`layer_names.of_model`
+            of the model trained); a variable it lacks is named by its path
+            (`layer_names.from_paths`).
 
     Returns:
         Per variable, `(layer name, log2 of the scale its gradient carries)`
@@ -278,13 +282,15 @@ def gradient_scales(variables, tables, loss_scale):
     """
     global_log2 = math.log2(float(loss_scale.numpy()))
     tables = [(t, t.log2_scales.numpy()) for t in tables]
+    names = names or {}
+    measured = [v for v in variables if not gradient_scale.written_by_optimizer(v)]
+    by_path = dict(zip(map(id, measured), layer_names.from_paths(measured)))
     scales = []
     for variable in variables:
         if gradient_scale.written_by_optimizer(variable):
             scales.append(None)
             continue
-        path = getattr(variable, "path", variable.name)
-        entry = (path.rsplit("/", 1)[0], global_log2)
+        entry = (names.get(id(variable), by_path[id(variable)]), global_log2)
         for table, log2 in tables:
             unit = table.unit_of(variable)
             if unit is not None:

@@ -29,19 +29,24 @@ class ScaleMonitor(keras.callbacks.Callback):
     __doc__ = """Logs the loss scale and per-layer gradients, and warns of trouble.
 
     Every `every_n_steps` and at each epoch's end it reads what the
-    `AdaptiveLossScaleOptimizer` measured, adds `scale/...` and
-    `layer/<name>/...` keys to `logs`, writes TensorBoard events and
-    `scale_monitor.jsonl` lines to `log_dir`, and warns once per layer and
-    kind of what `diagnoses` finds (`flags` keeps it). It stops `fit` after
-    `max_consecutive_skips` skipped steps (`stop_error`). docs/monitor.md
-    tells the keys, the diagnoses and the probe.
+    `AdaptiveLossScaleOptimizer` measured, records `scale/...` and
+    `layer/<name>/...` keys in `History` (only `scale/loss_scale` and
+    `scale/skipped_steps` in `logs`, which Keras's progress bar prints),
+    writes TensorBoard events and `scale_monitor.jsonl` lines to `log_dir`,
+    and warns once per layer and kind of what `diagnoses` finds (`flags`
+    keeps it). It stops `fit` after `max_consecutive_skips` skipped steps
+    (`stop_error`). Layers are named by their path in the model (`dense`,
+    `block/dense_2`). docs/monitor.md tells the keys, the names, the
+    diagnoses and the probe.
 
     Args:
         every_n_steps: Steps between two reports.
         log_dir: Optional directory for TensorBoard events and JSON lines.
         json_lines: Write `scale_monitor.jsonl` into `log_dir`.
         optimizer: The optimizer, for custom loops (`fit` uses the model's).
-        per_layer_logs: Add the per-layer keys to `logs`.
+        per_layer_logs: Put every key in `logs` (the progress bar and the
+            callbacks after this one see them all), not only
+            `scale/loss_scale` and `scale/skipped_steps`.
 {thresholds}
         probe: Optional batch of the model's inputs: after a non-finite
             loss, names the first layer whose output is not finite (not
@@ -61,7 +66,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         log_dir=None,
         json_lines=True,
         optimizer=None,
-        per_layer_logs=True,
+        per_layer_logs=False,
         window=20,
         patience=3,
         vanishing_ratio=1e-6,
@@ -129,6 +134,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
         self._begin()
+        if self.model is not None:
+            optimizer.name_layers(self.model)
         self._memory = self._memory._replace(loss_finite=True)
         if optimizer.built:  # a resumed run: its counts so far are not news
             self._since = monitor_log.Counts.of(optimizer.read())
@@ -146,7 +153,9 @@ class ScaleMonitor(keras.callbacks.Callback):
         if self._step > self._reported_batch:
             self._report(logs)
         elif logs is not None and self.records:
-            logs.update(monitor_log.scalars(self._latest, self.per_layer_logs))
+            logs.update(self._logged(self._latest))
+        if self.records:
+            self._to_history(self._latest)
         self._steps_before_epoch = self._step
 
     def on_train_end(self, logs=None):
@@ -163,7 +172,25 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._keep(record)
         self._reported_batch = self._step
         if logs is not None:
-            logs.update(monitor_log.scalars(record, self.per_layer_logs))
+            logs.update(self._logged(record))
+
+    def _logged(self, record):
+        """A record's keys for `logs`: all with `per_layer_logs`, else the
+        few the progress bar shows on one line."""
+        keys = monitor_log.scalars(record, per_layer=True)
+        if self.per_layer_logs:
+            return keys
+        return {key: keys[key] for key in monitor_log.PROGRESS_KEYS}
+
+    def _to_history(self, record):
+        """Appends the epoch's keys that `logs` did not carry to the
+        `History` of `fit` (which records `logs`' own after this callback)."""
+        history = getattr(self.model, "history", None)
+        if self.per_layer_logs or not isinstance(history, keras.callbacks.History):
+            return
+        for key, value in monitor_log.scalars(record, per_layer=True).items():
+            if key not in monitor_log.PROGRESS_KEYS:
+                history.history.setdefault(key, []).append(value)
 
     def _interval_loss(self, loss):
         """The mean loss of the batches since the last report, from Keras's
@@ -191,6 +218,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         Returns:
             The report, a dict (the JSON line's content).
         """
+        if self.model is not None:
+            self._adaptive_optimizer().name_layers(self.model)
         return self._keep(self._read(step, loss, epoch))
 
     def _read(self, step, loss, epoch):
@@ -250,10 +279,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             monitor_log.append(self.log_dir, record)
         if self._writer is None:
             self._writer = _event_writer(self.log_dir)
-        scalars = monitor_log.scalars(record, self.per_layer_logs)
-        if not self.per_layer_logs:
-            for name, layer in record.layers.items():
-                scalars[f"layer/{name}/grad_norm"] = layer.grad_norm
+        scalars = monitor_log.scalars(record, per_layer=True)
         self._writer.write(record.step, scalars, {
             f"layer/{name}/exponents": layer.histogram for name, layer in record.layers.items()})
 

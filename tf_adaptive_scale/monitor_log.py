@@ -44,11 +44,16 @@ class LayerRecord:
         scale: The scale its gradients carried.
         histogram: Its exponent histogram, a list (bins of
             `gradient_statistics`).
-        zeros: Its gradient's exact zeros.
-        underflow: In float16, the fraction of its values that underflow.
+        zeros: Its gradient's exact zeros, a count.
+        underflow: In float16, the fraction of its nonzero values that fall
+            below float16's smallest subnormal at `scale` (zeros apart).
         overflow: In float16, the fraction that overflows.
         window: In float16, `[low, high, extrapolated]`
             (`float16_analysis.scale_window`).
+        zero_fraction: The fraction of its values that are exact zeros (true
+            ones, a dead unit's; in float16 also values already lost to
+            underflow in the measured step's backward pass: float16 cannot
+            tell them apart).
     """
 
     grad_norm: typing.Optional[float] = None
@@ -58,12 +63,15 @@ class LayerRecord:
     underflow: typing.Optional[float] = None
     overflow: typing.Optional[float] = None
     window: typing.Optional[list] = None
+    zero_fraction: typing.Optional[float] = None
 
     @classmethod
     def measured(cls, layer, in_float16, underflow_rate):
         """The entry of a `measurement.LayerStatistics`; in float16 with its
         fractions and window (tolerating `underflow_rate`)."""
-        entry = cls(layer.norm, 2.0**layer.log2_scale, layer.histogram.tolist(), layer.zeros)
+        values = float(sum(layer.histogram)) + layer.zeros
+        entry = cls(layer.norm, 2.0**layer.log2_scale, layer.histogram.tolist(), layer.zeros,
+                    zero_fraction=layer.zeros / values if values else 0.0)
         if not in_float16:
             return entry
         underflow, overflow = float16_analysis.float16_fractions(
@@ -101,6 +109,11 @@ class LogRecord:
         skipped_since_last: Steps skipped since the report before.
         loss_finite: Whether the last step's loss was finite.
         grad_norm: Global norm of the last measured unscaled gradients.
+        underflow: In float16, the fraction of all layers' nonzero gradient
+            values below float16's smallest subnormal at the scale each
+            carries (zeros apart).
+        zero_fraction: The fraction of all layers' gradient values that are
+            exact zeros.
         clip_rate: Clipped steps per optimizer step since the report before.
         measured_step: The step of the last measurement (-1: none).
         exponent_min: The exponent of the histograms' first bin.
@@ -123,6 +136,8 @@ class LogRecord:
     skipped_since_last: typing.Optional[int] = None
     loss_finite: bool = True
     grad_norm: typing.Optional[float] = None
+    underflow: typing.Optional[float] = None
+    zero_fraction: typing.Optional[float] = None
     clip_rate: typing.Optional[float] = None
     measured_step: int = -1
     exponent_min: typing.Optional[int] = None
@@ -158,6 +173,7 @@ class LogRecord:
             skipped_steps=reading.skipped_steps,
             skipped_since_last=reading.skipped_steps - since.skipped_steps,
             loss_finite=reading.loss_finite, grad_norm=reading.gradient_norm,
+            **_totals(layers.values(), reading.in_float16),
             # Per optimizer step (with accumulation, per window).
             clip_rate=(reading.clipped_steps - since.clipped_steps)
             / max(reading.total_steps - since.total_steps, 1),
@@ -174,6 +190,8 @@ class LogRecord:
             del data["interval_loss"]
         if self.skipped_at is None:
             del data["skipped_at"]
+        if self.underflow is None:  # not float16
+            del data["underflow"]
         return data
 
     @classmethod
@@ -190,6 +208,19 @@ class LogRecord:
         return cls(**fields)
 
 
+def _totals(layers, in_float16):
+    """`underflow` (in float16) and `zero_fraction` of the `LayerRecord`s
+    taken together."""
+    nonzero = [float(sum(layer.histogram)) for layer in layers]
+    zeros = sum(layer.zeros for layer in layers)
+    values = sum(nonzero) + zeros
+    totals = {"zero_fraction": zeros / values if values else 0.0}
+    if in_float16:
+        lost = sum(n * layer.underflow for n, layer in zip(nonzero, layers))
+        totals["underflow"] = lost / sum(nonzero) if sum(nonzero) else 0.0
+    return totals
+
+
 def _global_scale(data):
     """A JSON record's `global_scale`; a log written before records carried
     it tells by its mode's (`scale_policy`) `scales_loss`."""
@@ -199,8 +230,14 @@ def _global_scale(data):
     return mode is None or mode.scales_loss
 
 
+# The keys `tas.ScaleMonitor` puts in `logs` by default: Keras's progress bar
+# prints every key of `logs`, so the rest go to `History`, TensorBoard and
+# the JSON lines only (`per_layer_logs=True` puts them all in `logs`).
+PROGRESS_KEYS = ("scale/loss_scale", "scale/skipped_steps")
+
+
 def scalars(record, per_layer):
-    """The logs' keys of a record (`scale/...`; with `per_layer`, also
+    """The keys of a record (`scale/...`; with `per_layer`, also
     `layer/<name>/<field>` of its scalar fields)."""
     keys = {
         "scale/loss_scale": record.loss_scale,
@@ -209,6 +246,9 @@ def scalars(record, per_layer):
         "scale/grad_norm": record.grad_norm,
         "scale/clip_rate": record.clip_rate,
     }
+    keys.update({f"scale/{name}": value for name, value in (
+        ("underflow", record.underflow), ("zero_fraction", record.zero_fraction))
+        if value is not None})
     if per_layer:
         for name, layer in record.layers.items():
             for key, value in layer.scalars().items():

@@ -15,6 +15,7 @@ from tf_adaptive_scale import gradient_scale
 from tf_adaptive_scale import gradient_statistics as stats
 from tf_adaptive_scale import gradient_window
 from tf_adaptive_scale import keras_internals
+from tf_adaptive_scale import layer_names
 from tf_adaptive_scale import layer_scaling
 from tf_adaptive_scale import legacy_api
 from tf_adaptive_scale import measurement
@@ -81,6 +82,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._clippers = self.settings.clipping_chain()
         self._policy = None
         self._declared = []
+        self._layer_names = _LayerNames()
         self._make_state(_protocol_state(self.initial_scale))
         if scaling is not None:
             self.resolve_scaling(scaling)
@@ -519,8 +521,22 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             return []
         return measurement.gradient_scales(
-            keras_internals.built_variables(self), self._scale_tables, self.dynamic_scale
+            keras_internals.built_variables(self), self._scale_tables, self.dynamic_scale,
+            self._layer_names.names,
         )
+
+    def name_layers(self, model):
+        """Names the layers of what `read()`, `gradient_scales()` and
+        `stalled_layers()` report by their path in `model` (docs/monitor.md,
+        "Layer names"): `dense`, `block/dense_2` in a nested model, never
+        the model's own name. `tas.ScaleMonitor` calls it in `fit`; an
+        optimizer never shown its model names them from the variables'
+        paths.
+
+        Args:
+            model: The Keras model this optimizer trains.
+        """
+        self._layer_names.names = layer_names.of_model(model)
 
     def stalled_layers(self):
         """The layers whose gradients were not finite on the last skipped
@@ -582,6 +598,14 @@ class _Inputs(typing.NamedTuple):
     variables: list
     already_unscaled: bool
     tables: list
+
+
+class _LayerNames:
+    """`{id(variable): layer name}` of the model trained, once shown it (a
+    holder: Keras's optimizer would track a dict attribute)."""
+
+    def __init__(self):
+        self.names = {}
 
 
 def _protocol_state(initial_scale):
