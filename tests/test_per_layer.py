@@ -572,15 +572,11 @@ def _documented_per_layer_loop():
 def test_documented_per_layer_loop_does_not_back_off_on_nan_batches():
     # The loop called no scale_loss/observe_loss: a NaN batch counted as an
     # overflow and backed every unit off a binade.
-    model = head_on(shared_backbone(), "m")
-    instrumented = tas.instrument(model)
-    optimizer = per_layer_optimizer(keras.optimizers.SGD(0.1))
-    namespace = {
-        "tf": tf, "tas": tas, "instrumented": instrumented, "optimizer": optimizer,
-        "loss_fn": keras.losses.MeanSquaredError(), "batches": [],
-    }
+    # The block is self-contained: its model, optimizer and loop, as written.
+    namespace = {}
     exec(_documented_per_layer_loop(), namespace)
-    x, y = normal((8, 6)), normal((8, 3), 1)
+    instrumented, optimizer = namespace["instrumented"], namespace["optimizer"]
+    x, y = normal((8, 8)), normal((8, 1), 1)
     namespace["train_step"](x, y, True)  # calibrates
     before = instrumented.scale_table.log2_scales.numpy().copy()
     bad = x.copy()
