@@ -1,7 +1,6 @@
 """AdaptiveLossScaleOptimizer: bounded, observable loss scaling with clipping."""
 
 import functools
-import types
 import typing
 
 import keras
@@ -95,8 +94,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return getattr(settings, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def _make_state(self, declared):
-        return optimizer_state.make(self, declared, self._declared)
+    def _make_state(self, declared, prefix=""):
+        return optimizer_state.make(self, declared, self._declared, prefix)
 
     def declared_state(self):
         """The optimizer's own variables, as declared
@@ -134,10 +133,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._measurement = measurement.Measurement(self._make_state(measurement.declared(n)))
         self._make_state(_CLIPPING_STATE)
         for clipper, prefix in zip(self._clippers, clipping.state_prefixes(self._clippers)):
-            declared = clipper.declared(n)
-            made = vars(self._make_state([d._replace(name=prefix + d.name) for d in declared]))
-            clipper.bind(types.SimpleNamespace(
-                **{d.name: made[prefix + d.name] for d in declared}))
+            clipper.bind(self._make_state(clipper.declared(n), prefix))
         if self.accumulation_steps > 1:
             self._window = gradient_window.GradientWindow(
                 self._make_state(gradient_window.declared(var_list)), var_list,

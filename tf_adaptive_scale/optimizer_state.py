@@ -33,7 +33,7 @@ class StateVariable(NamedTuple):
     readable: bool = True
 
 
-def make(optimizer, declared, made):
+def make(optimizer, declared, made, prefix=""):
     """Creates `declared` on `optimizer` and returns them by name.
 
     Args:
@@ -41,13 +41,16 @@ def make(optimizer, declared, made):
         declared: A sequence of `StateVariable`s.
         made: The `StateVariable`s made on `optimizer` so far, extended here
             (a name made twice is refused).
+        prefix: Put before each declared name on the optimizer (a second
+            clipper of a class: `auto_clip_1_`).
 
     Returns:
-        A namespace of the new variables, by name.
+        A namespace of the new variables, by their declared names.
     """
     taken = {s.name for s in made}
     variables = {}
-    for spec in declared:
+    for local in declared:
+        spec = local._replace(name=prefix + local.name)
         if spec.name in taken or (spec.readable and hasattr(type(optimizer), spec.name)):
             raise ValueError(
                 f"The optimizer state variable {spec.name!r} is declared twice "
@@ -60,6 +63,6 @@ def make(optimizer, declared, made):
         )
         if spec.readable:  # also a named TensorFlow checkpoint dependency, as stock's
             setattr(optimizer, spec.name, variable)
-        variables[spec.name] = variable
+        variables[local.name] = variable
         made.append(spec)
     return types.SimpleNamespace(**variables)
