@@ -230,9 +230,12 @@ class ScaleMonitor(keras.callbacks.Callback):
         record = monitor_log.LogRecord.of_reading(
             reading, self._since, step=step, epoch=epoch, loss=loss, policy=opt.policy,
             underflow_rate=rate)
+        new_measurement = reading.measurements > self._since.measurements
         observation = diagnoses.Observation(
-            record, reading.measurements > self._since.measurements, self.settings, rate,
-            weight_dtypes=_weight_dtypes(opt), stall=self._check_progress(opt),
+            record, new_measurement, self.settings, rate,
+            # Read only where a diagnosis reads them: on a new measurement.
+            weight_dtypes=_weight_dtypes(opt) if new_measurement else (),
+            stall=self._check_progress(opt),
             probe=None if self.probe is None else self._first_non_finite_layer,
             past=self._memory)
         self._since = monitor_log.Counts.of(reading)
