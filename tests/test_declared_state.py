@@ -72,8 +72,8 @@ def test_the_optimizer_variables_are_exactly_its_declared_state(make):
         assert tuple(variable.shape) == tuple(spec.shape), spec.name
         assert variable.dtype == keras.backend.standardize_dtype(spec.dtype), spec.name
         # A mode without a loss scale sets it to 1 when it is resolved.
-        initial = 1.0 if spec.name == "dynamic_scale" and opt.policy and not opt.policy.scales_loss \
-            else spec.initial
+        unscaled = opt.policy is not None and not opt.policy.scales_loss
+        initial = 1.0 if spec.name == "dynamic_scale" and unscaled else spec.initial
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable),
                                       np.full(spec.shape, initial))
         if spec.readable:

@@ -30,7 +30,8 @@ class Settings:
     2
     """
 
-    window: int = validation.setting(20, validation.positive_int, "Measurements of history per layer.")
+    window: int = validation.setting(
+        20, validation.positive_int, "Measurements of history per layer.")
     patience: int = validation.setting(3, validation.positive_int, (
         "Consecutive measurements before a lasting condition warns."))
     vanishing_ratio: float = validation.setting(1e-6, validation.positive_float, (
@@ -47,7 +48,8 @@ class Settings:
         "Underflow above this, for `patience` measurements, warns."))
     skipped_run: int = validation.setting(5, validation.positive_int, (
         "Skipped steps between two reports that warn."))
-    window_underflow: object = validation.setting(None, validation.optional(validation.open_unit_interval), (
+    window_underflow: object = validation.setting(
+        None, validation.optional(validation.open_unit_interval), (
         "The underflow a layer's window of scales tolerates (None: the "
         "optimizer's `underflow_rate`)."))
     exploding_history: int = validation.setting(5, validation.positive_int, (

@@ -264,7 +264,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         unscaled = stats.unscale(inputs.grads, self._log2_divisors(source, regular))
         weight = 1.0
         for i in accumulation_model.normaliser_variables(inputs.variables):
-            weight = inputs.grads[i] * stats.pow2(-self._log2_gradient_scale(source.state.log2_scale))
+            log2_scale = self._log2_gradient_scale(source.state.log2_scale)
+            weight = inputs.grads[i] * stats.pow2(-log2_scale)
         if not source.measures_replicas:  # per layer, the tables carry the statistics
             packed = ops.zeros((measurement.PACKED_SIZE,))
         elif inputs.packed:  # each replica's, combined

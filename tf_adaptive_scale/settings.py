@@ -86,7 +86,8 @@ class Settings:
         '`"count"` (of the values) or `"mass"` (of the squared norm).'))
     headroom: float = validation.setting(2.0**4, _headroom, (
         "Power of two in [1, 2**15] kept below float16's maximum."))
-    max_scale_rise: object = validation.setting(None, validation.optional(validation.positive_int), (
+    max_scale_rise: object = validation.setting(
+        None, validation.optional(validation.positive_int), (
         "Optional most binades a scale rises per update."))
     clipnorm: object = validation.setting(None, _optional_float, (
         "Clip each gradient tensor to this L2 norm."))
@@ -107,7 +108,8 @@ class Settings:
     clippers: object = validation.setting(None, validation.optional(clipping.check_chain), (
         "Optional list of `tas.clipping` clippers, run in its order (instead "
         "of the clipping arguments)."))
-    max_consecutive_skips: object = validation.setting(1000, validation.optional(validation.positive_int), (
+    max_consecutive_skips: object = validation.setting(
+        1000, validation.optional(validation.positive_int), (
         "Skips in a row after which `check_progress()` raises "
         "`SkippedStepsError` (`None`: never)."))
     accumulation_steps: int = validation.setting(1, validation.positive_int, (
