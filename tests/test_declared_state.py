@@ -12,12 +12,25 @@ from helpers import three_layer_mlp
 from test_clipping import LR, check_step, random_grads, ref_global, setup
 
 
-def test_two_autoclip_clippers_keep_separate_histories():
+class MyAutoClip(tas.clipping.AutoClip):
+    """A user's subclass (docs/arguments.md invites them): its state has
+    AutoClip's names."""
+
+
+@pytest.mark.parametrize("second_class, prefix", [
+    (tas.clipping.AutoClip, "auto_clip_1_"),
+    # Numbered by the names it declares, not its class: a subclass's first
+    # instance collides with an AutoClip's names all the same.
+    (MyAutoClip, "my_auto_clip_1_"),
+], ids=["AutoClip", "subclass"])
+def test_two_autoclip_clippers_keep_separate_histories(second_class, prefix):
     # The first clips to the 25th percentile of its 4 last norms; the second
     # sees what the first let through and keeps its own 3 last norms.
-    chain = [tas.clipping.AutoClip(25.0, window=4), tas.clipping.AutoClip(50.0, window=3)]
+    chain = [tas.clipping.AutoClip(25.0, window=4), second_class(50.0, window=3)]
     opt, variables, step = setup(clippers=chain)
-    assert opt.norm_history.shape == (4,) and opt.auto_clip_1_norm_history.shape == (3,)
+    history, count = (getattr(opt, prefix + name)
+                      for name in ("norm_history", "norm_history_count"))
+    assert opt.norm_history.shape == (4,) and history.shape == (3,)
     rng = np.random.default_rng(7)
     first, second = [], []
     for magnitude in [1.0, 4.0, 0.5, 8.0, 0.1, 2.0]:
@@ -33,9 +46,8 @@ def test_two_autoclip_clippers_keep_separate_histories():
 
         check_step(opt, variables, step, grads, both)
     np.testing.assert_allclose(np.sort(opt.norm_history.numpy()), np.sort(first), rtol=1e-5)
-    np.testing.assert_allclose(
-        np.sort(opt.auto_clip_1_norm_history.numpy()), np.sort(second), rtol=1e-5)
-    assert int(opt.norm_history_count) == int(opt.auto_clip_1_norm_history_count) == 6
+    np.testing.assert_allclose(np.sort(history.numpy()), np.sort(second), rtol=1e-5)
+    assert int(opt.norm_history_count) == int(count) == 6
 
 
 def _adaptive(**kwargs):

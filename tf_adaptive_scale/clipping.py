@@ -348,15 +348,32 @@ def check_chain(name, clippers):
     return list(chain)
 
 
-def state_prefixes(chain):
-    """What each clipper's state names start with, so that two of a class
-    keep their own: nothing for the first, `"auto_clip_1_"` for a second
-    `AutoClip` (Keras names layers alike)."""
-    seen, prefixes = {}, []
+def state_prefixes(chain, num_variables, taken=()):
+    """What each clipper's state names start with, so that no two clippers
+    (of one class, of a class and its subclass, or of two classes that
+    declare the same names) share a variable: nothing where its names are
+    free, else `"<class>_<k>_"` with the smallest `k` that frees them (a
+    second `AutoClip`'s history is `auto_clip_1_norm_history`, as Keras
+    names layers).
+
+    Args:
+        chain: A list of `Clipper`s.
+        num_variables: How many variables the optimizer trains.
+        taken: Names already used by the optimizer's other state.
+
+    Returns:
+        A list of prefixes, one per clipper.
+    """
+    taken, prefixes = set(taken), []
     for clipper in chain:
+        names = [spec.name for spec in clipper.declared(num_variables)]
         kind = re.sub(r"(?<!^)(?=[A-Z])", "_", type(clipper).__name__).lower()
-        count = seen[kind] = seen.get(kind, -1) + 1
-        prefixes.append(f"{kind}_{count}_" if count else "")
+        prefix, count = "", 0
+        while any(prefix + name in taken for name in names):
+            count += 1
+            prefix = f"{kind}_{count}_"
+        taken.update(prefix + name for name in names)
+        prefixes.append(prefix)
     return prefixes
 
 

@@ -132,7 +132,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self._make_state(step_state.declared(n)), self.dynamic_scale)
         self._measurement = measurement.Measurement(self._make_state(measurement.declared(n)))
         self._make_state(_CLIPPING_STATE)
-        for clipper, prefix in zip(self._clippers, clipping.state_prefixes(self._clippers)):
+        taken = [spec.name for spec in self._declared]
+        for clipper, prefix in zip(self._clippers,
+                                   clipping.state_prefixes(self._clippers, n, taken)):
             clipper.bind(self._make_state(clipper.declared(n), prefix))
         if self.accumulation_steps > 1:
             self._window = gradient_window.GradientWindow(
