@@ -227,3 +227,26 @@ def test_fit_accumulation_carries_an_unfinished_window_into_the_next_epoch():
     )
     for a, b in zip(ours.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", ["fit", "apply"])
+def test_wrapped_in_keras_loss_scale_optimizer_it_refuses_before_any_update(entry):
+    # The outer optimizer would unscale by its scale and this one divide by
+    # its own again: an update 2**-15 of float32's (1.9e-7 for 0.17), silently.
+    model = dense_model(4, 1)
+    before = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    outer = keras.mixed_precision.LossScaleOptimizer(
+        tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match="cannot be the `inner_optimizer` of LossScaleOptimizer"):
+        if entry == "fit":
+            model.compile(outer, "mse")
+            model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), verbose=0)
+        else:
+            outer.apply([np.ones(w.shape, "float32") for w in model.trainable_weights],
+                        model.trainable_weights)
+    for w, b in zip(model.weights, before):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(w), b)
+    # The other order is refused at construction.
+    with pytest.raises(ValueError, match="already a LossScaleOptimizer"):
+        tas.AdaptiveLossScaleOptimizer(
+            keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1)))

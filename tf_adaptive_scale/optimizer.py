@@ -1,6 +1,7 @@
 """AdaptiveLossScaleOptimizer: bounded, observable loss scaling with clipping."""
 
 import functools
+import sys
 import typing
 
 import keras
@@ -127,6 +128,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if self.built:
             self._check_known(var_list, all_of_them=True)
             return
+        _refuse_a_wrapper(self)
         n = len(var_list)
         self._step_state = step_state.StepState(
             self._make_state(step_state.declared(n)), self.dynamic_scale)
@@ -625,6 +627,27 @@ def _protocol_state(initial_scale):
 
 # Applied steps on which a clipper acted.
 _CLIPPING_STATE = (StateVariable("clipped_steps", 0, dtype=backends.COUNTER_DTYPE),)
+
+
+def _refuse_a_wrapper(optimizer):
+    """Raises where a loss-scale optimizer wrapping `optimizer` builds it:
+    Keras's `LossScaleOptimizer(AdaptiveLossScaleOptimizer(...))` unscales
+    by its own scale, and this one would divide again (an update 2**-15 of
+    float32's). Read from the stack: nothing else tells the inner optimizer
+    (Keras's wrapper builds it before any step, on every backend)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if caller is not optimizer and getattr(caller, "__dict__", {}).get(
+                "inner_optimizer") is optimizer:
+            raise ValueError(
+                f"An AdaptiveLossScaleOptimizer cannot be the `inner_optimizer` of "
+                f"{type(caller).__name__} '{caller.name}': both scale the loss, and "
+                "the gradients would be divided twice. Use one of them: pass the "
+                "AdaptiveLossScaleOptimizer to `compile` itself (Keras does not "
+                "wrap it again)."
+            )
+        frame = frame.f_back
 
 
 def _trained(var_list):
