@@ -36,6 +36,7 @@ ON_JAX = {
     "test_settings.py",
     "test_step_invariants.py",
     "test_step_programs.py",
+    "test_measure_requests.py",
 }
 _here = os.path.dirname(__file__)
 if keras.backend.backend() == "tensorflow":

@@ -113,8 +113,9 @@ def test_steps_per_execution_measures_in_calls_holding_a_due_step(float16_policy
 # The per-layer plain program's kernels over stock's (on the uninstrumented
 # model), at most this many on an MLP of depth 4 and 16 (6 and 18
 # boundaries): the boundaries' multiplies fuse into the backward pass;
-# what remains is the optimizer's state written on every step.
-PLAIN_EXCESS = {"tensorflow": 26, "jax": 30}
+# what remains is the optimizer's state written on every step, and the
+# copy of the device's request to measure among the step's outputs.
+PLAIN_EXCESS = {"tensorflow": 27, "jax": 31}
 
 
 def test_the_plain_program_adds_a_constant_over_stock(float16_policy):

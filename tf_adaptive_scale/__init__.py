@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 # TensorFlow-specific, imported on first use: on JAX, TensorFlow is never
 # imported.
-_TENSORFLOW_ONLY = {"make_train_step"}
+_TENSORFLOW_ONLY = {"make_train_step", "compile_step"}
 
 
 def __getattr__(name):
@@ -61,6 +61,7 @@ __all__ = [
     "first_non_finite_layer",
     "instrument",
     "make_train_step",
+    "compile_step",
     "measuring",
     "measuring_step",
     "plot_report",

@@ -333,7 +333,12 @@ class InstrumentedModel(keras.Model):
                 "for evaluation only. To train it, compile it with "
                 "tas.AdaptiveLossScaleOptimizer(..., scaling='per_layer')."
             )
-        return super().train_step(*args, **kwargs)
+        outputs = super().train_step(*args, **kwargs)
+        measure = self.scale_table.measure
+        if isinstance(outputs, tuple):  # JAX: the new value is in the new state
+            _, (trainable, *_) = outputs
+            measure = trainable[[id(v) for v in self.trainable_variables].index(id(measure))]
+        return step_programs.with_request(outputs, step_programs.requested([measure]))
 
     def fit(self, *args, **kwargs):
         """`keras.Model.fit`; the step count that chooses its programs

@@ -570,11 +570,16 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         open_window = 0 if window is None else int(window.count.numpy())
         return int(self.total_steps.numpy()) * self.accumulation_steps + open_window
 
+    def scale_tables(self):
+        """The instrumented models' `ScaleTable`s among the variables this
+        optimizer was built for (empty before `build`)."""
+        return list(getattr(self, "_scale_tables", []))
+
     def layer_scales(self):
         """The current per-layer scales by layer name (per-layer mode), as
         Python floats; empty before the first step."""
         scales = {}
-        for table in getattr(self, "_scale_tables", []):
+        for table in self.scale_tables():
             scales.update(table.scales())
         return scales
 

@@ -18,13 +18,18 @@ count starts (a `fit`), never in the steps.
 
 The optimizer decides on the device which steps of a measuring call measure
 (on schedule, and sooner after an overflow or while a unit's scale rises
-blind): the first steps all measure, for the scales to calibrate; after
-them, a request to measure sooner waits on the device for the next
-measuring call, at most `update_every - 1` steps.
+blind). Each call also returns the device's request to measure the next
+step (`REQUEST`, see `with_request`); the host reads a call's request once
+the next call is dispatched, so that the device never waits for it, and
+runs the measuring program on the call after: a request made between two
+scheduled measurements is served two steps later, not at the next
+scheduled one.
 """
 
 import contextlib
 import math
+
+from keras import ops
 
 from tf_adaptive_scale import float16
 from tf_adaptive_scale import scale_policy
@@ -80,9 +85,33 @@ def measuring_step(step, update_every):
     return step < CALIBRATION_STEPS or step % update_every == 0
 
 
+# The key of a step's outputs that carries the device's request to measure
+# the next step; `ScheduledPrograms` takes it out before a caller sees them.
+REQUEST = "measure_requested"
+
+
+def requested(tables):
+    """Whether any of `tables` (`ScaleTable`s, or their `measure` values)
+    asks the next step to measure, as a float32 scalar for a step's
+    outputs."""
+    flags = [ops.cast(getattr(t, "measure", t), "float32") for t in tables]
+    # One table's flag as it is: a reduction would be a kernel of its own.
+    return flags[0] if len(flags) == 1 else ops.max(ops.stack(flags))
+
+
+def with_request(outputs, request):
+    """A step's outputs with `request` (see `requested`) under `REQUEST`:
+    `outputs` a dict of logs, or Keras's JAX `(logs, state)`."""
+    if isinstance(outputs, tuple):
+        logs, *rest = outputs
+        return ({**logs, REQUEST: request}, *rest)
+    return {**outputs, REQUEST: request}
+
+
 class Schedule:
     """Which calls of a compiled step measure, counted on the host: those
-    holding a step `measuring_step` names.
+    holding a step `measuring_step` names, or the step the device asked for
+    (`ask`), after which the count restarts, as the device's does.
 
     Args:
         every: Steps between two measurements (the optimizer's
@@ -103,10 +132,19 @@ class Schedule:
         self.micro_batches = int(micro_batches)
         self._start = start
         self.micro_batch = None
+        self._asked = None  # the step the device asked to measure
+        self._phase = 0  # of the scheduled steps, moved by a request
 
     def restart(self, micro_batch):
         """Counts on from `micro_batch` (a `fit` after a restore)."""
         self.micro_batch = micro_batch
+
+    def ask(self):
+        """The device asked to measure: the first step no call has begun
+        yet measures (all its micro-batches), and the schedule counts
+        `every` steps from it."""
+        self._asked = -(-self.micro_batch // self.micro_batches)
+        self._phase = self._asked % self.every
 
     def next_call_measures(self):
         """Whether the next call measures; counts its micro-batches."""
@@ -115,12 +153,17 @@ class Schedule:
         if self.micro_batch is None:
             self.micro_batch = self._start()
         first, self.micro_batch = self.micro_batch, self.micro_batch + self.steps_per_call
-        return any(measuring_step(b // self.micro_batches, self.every)
-                   for b in range(first, self.micro_batch))
+        return any(self._due(b // self.micro_batches) for b in range(first, self.micro_batch))
+
+    def _due(self, step):
+        return (step == self._asked or step < CALIBRATION_STEPS
+                or (step - self._phase) % self.every == 0)
 
 
 class ScheduledPrograms:
-    """Calls the measuring program or the plain one, as `schedule` says.
+    """Calls the measuring program or the plain one, as `schedule` says,
+    and passes the device's requests (`REQUEST` among a call's outputs,
+    taken out) to it one call late.
 
     Args:
         make: `make()`, a new step function (a `tf.function` or a jitted
@@ -132,6 +175,7 @@ class ScheduledPrograms:
         self._make = make
         self.schedule = schedule
         self.programs = {}
+        self._request = None  # the last call's, not read yet
 
     def program(self, measures):
         """The measuring (`measures` True) or the plain step function."""
@@ -140,9 +184,26 @@ class ScheduledPrograms:
         return self.programs[measures]
 
     def run(self, measures, *args, **kwargs):
-        """Calls the measuring (`measures` True) or the plain program."""
+        """Calls the measuring (`measures` True) or the plain program;
+        returns its outputs without `REQUEST`, which it keeps."""
         with measuring(measures):
-            return self.program(measures)(*args, **kwargs)
+            outputs = self.program(measures)(*args, **kwargs)
+        self._request = _take_request(outputs)
+        return outputs
 
     def __call__(self, *args, **kwargs):
-        return self.run(self.schedule.next_call_measures(), *args, **kwargs)
+        measures = self.schedule.next_call_measures()
+        request = self._request
+        outputs = self.run(measures, *args, **kwargs)
+        # The call before's request, read now that this one is dispatched
+        # (the device never waits for the host); a measuring call serves it.
+        if request is not None and not measures and float(request) > 0:
+            self.schedule.ask()
+        return outputs
+
+
+def _take_request(outputs):
+    """Removes `REQUEST` from a call's outputs (a dict of logs, or Keras's
+    JAX `(logs, state)`); returns it (None where absent)."""
+    logs = outputs[0] if isinstance(outputs, tuple) else outputs
+    return logs.pop(REQUEST, None) if isinstance(logs, dict) else None

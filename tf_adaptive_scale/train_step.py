@@ -333,7 +333,55 @@ class _TrainStep:
             logs["layer_log2_scales"] = ops.concatenate(
                 [ops.convert_to_tensor(t.log2_scales) for t in self._tables]
             )
+            logs[step_programs.REQUEST] = step_programs.requested(self._tables)
         return logs
+
+
+def compile_step(fn, optimizer, *, jit_compile=True):
+    """Compiles a custom loop's train step that calls `optimizer.apply`,
+    per layer as two programs chosen on the host (`step_programs`): the
+    measuring one on the steps the optimizer measures, on schedule and two
+    steps after it asks (an overflow, a unit whose scale rises blind), the
+    plain one otherwise; one program in the other modes.
+
+    Args:
+        fn: The step, `fn(*args, **kwargs)`: forward pass, `scale_loss`,
+            gradients and `optimizer.apply`; returns what the loop wants
+            back (tensors).
+        optimizer: The `tas.AdaptiveLossScaleOptimizer` `fn` applies,
+            built (`optimizer.build(model.trainable_variables)`).
+        jit_compile: Whether to compile the step with XLA.
+
+    Returns:
+        `step(*args, **kwargs)`, which returns what `fn` returns.
+
+    Example:
+
+    >>> def train_step(x, y):
+    ...     with tf.GradientTape() as tape:
+    ...         scaled = optimizer.scale_loss(loss_fn(y, model(x, training=True)))
+    ...     optimizer.apply(tape.gradient(scaled, model.trainable_variables))
+    >>> train_step = tas.compile_step(train_step, optimizer)
+    """
+    if not isinstance(optimizer, AdaptiveLossScaleOptimizer) or not optimizer.built:
+        raise ValueError(
+            "`optimizer` must be a built tas.AdaptiveLossScaleOptimizer: call "
+            f"optimizer.build(model.trainable_variables) first. Received: {optimizer!r}"
+        )
+    tables = optimizer.scale_tables()
+
+    def traced(*args, **kwargs):
+        outputs = {"outputs": fn(*args, **kwargs)}
+        if tables:
+            outputs[step_programs.REQUEST] = step_programs.requested(tables)
+        return outputs
+
+    programs = step_programs.ScheduledPrograms(
+        lambda: tf.function(traced, jit_compile=jit_compile, autograph=False),
+        step_programs.Schedule(optimizer.update_every if tables else 1,
+                               start=optimizer.micro_batches_taken),
+    )
+    return lambda *args, **kwargs: programs(*args, **kwargs)["outputs"]
 
 
 def _map(fn, structure):
