@@ -85,7 +85,7 @@ class ExactAccumulationModel(keras.Model):
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         if not training or loss is None:
             return loss
-        normaliser = loss_normaliser.of_compiled(self.loss, y, y_pred, sample_weight)
+        normaliser = loss_normaliser.of_compiled(self, y, y_pred, sample_weight)
         # Under a tf.distribute strategy, replicas weigh by their normaliser.
         loss = loss * ops.cast(backends.replica_weight(normaliser), loss.dtype)
         probe = ops.cast(self.normaliser.value, loss.dtype)
