@@ -157,6 +157,26 @@ def test_a_summed_loss_is_refused():
         model.fit(np.zeros((8, 6)), np.zeros((8, 3)), batch_size=4, verbose=0)
 
 
+class SquaresLoss(layers.Layer):
+    """Adds the mean square of its inputs as a loss (`add_loss`)."""
+
+    def call(self, inputs):
+        self.add_loss(keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def test_a_model_trained_through_add_loss_alone_is_refused():
+    """What an `add_loss` loss divides by is not known (a batch mean, a
+    mean over valid tokens, a sum), so no weight per batch is known to be
+    exact: a compiled `loss` is asked for, at the first batch."""
+    inputs = keras.Input((6,))
+    model = tas.exact_accumulation(keras.Model(inputs, SquaresLoss()(layers.Dense(3)(inputs))))
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(), scaling="none",
+                                                 accumulation_steps=2))
+    with pytest.raises(ValueError, match=r"compiled without a `loss`.*`loss=\.\.\.`"):
+        model.fit(np.ones((8, 6), "float32"), batch_size=4, verbose=0)
+
+
 def two_output_model():
     keras.utils.set_random_seed(5)
     inputs = keras.Input((12,), dtype="int32")
@@ -165,7 +185,7 @@ def two_output_model():
                                 layers.Dense(2, name="values")(h)])
 
 
-@pytest.mark.parametrize("structure", ["list"])
+@pytest.mark.parametrize("structure", ["list", "dict"])
 def test_two_outputs_weigh_by_their_samples(structure):
     """Losses whose normalisers are their numbers of values: a window whose
     last batch is short weighs its batches by their samples."""
