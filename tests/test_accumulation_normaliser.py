@@ -208,6 +208,27 @@ def test_circle_weighs_by_the_micro_batches_valid_samples(k):
     np.testing.assert_allclose(float(logs["loss"]), float(mean), rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_weight_regulariser_counts_once_per_window(k):
+    """`model.losses` weigh with the loss's normaliser: a weight
+    regulariser, the same in every micro-batch, counts once."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((12,), dtype="int32")
+    h = layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1))(
+        layers.Embedding(20, 8)(inputs))
+    model = keras.Model(inputs, layers.Dense(5)(h))
+    _, loss, x, y, _ = ignore_class_problem()
+    start = model.get_weights()
+    with tf.GradientTape() as tape:
+        total = loss(y, model(x, training=True)) + sum(model.losses)
+    reference = [-LR * tf.convert_to_tensor(g).numpy()
+                 for g in tape.gradient(total, model.trainable_variables)]
+    model.set_weights(start)
+    update, logs = step_update(model, loss, x, y, None, k)
+    assert relative_error(update, reference) < 1e-5
+    np.testing.assert_allclose(float(logs["loss"]), float(total), rtol=1e-5)
+
+
 @pytest.mark.parametrize("k", [4, 7])
 @pytest.mark.parametrize("reduction", ["mean_with_sample_weight", "sum"])
 def test_accumulation_under_other_reductions(reduction, k):
