@@ -68,14 +68,17 @@ def _values_and_mask(loss, y_true, y_pred):
     """The loss values and the mask `Loss.__call__` applies to them: the
     prediction's and the values' own, together (None without either)."""
     # Read before the cast, which may make a tensor without it, as Keras does.
-    masks = [keras_internals.mask_of(y_pred)]
-    convert = lambda t: ops.convert_to_tensor(t, loss.dtype)  # noqa: E731
+    in_mask = keras_internals.mask_of(y_pred)
+
+    def convert(tensor):
+        return ops.convert_to_tensor(tensor, loss.dtype)
+
     values = loss.call(keras.tree.map_structure(convert, y_true),
                        keras.tree.map_structure(convert, y_pred))
-    masks = [m for m in masks + [keras_internals.mask_of(values)] if m is not None]
-    if len(masks) == 2:
-        return values, ops.logical_and(*masks)
-    return values, masks[0] if masks else None
+    out_mask = keras_internals.mask_of(values)
+    if in_mask is None or out_mask is None:
+        return values, out_mask if in_mask is None else in_mask
+    return values, ops.logical_and(in_mask, out_mask)
 
 
 def _divisor(values, mask, sample_weight, reduction):
