@@ -6,7 +6,8 @@ and per layer.
 
 The reference is independent: the whole batch's float32 gradient from
 `tf.GradientTape` and the same Keras loss, applied by SGD by hand. No
-float16 anywhere (`scaling="none"`): what is measured is the weighting.
+float16 anywhere (`scaling="none"`; per layer, float32 scaled by powers of
+two): what is measured is the weighting.
 """
 
 import keras
