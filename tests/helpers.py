@@ -355,13 +355,33 @@ def padded_sequences(n, seed=0, vocab=20, length=12, classes=5):
     return x, rng.integers(0, classes, (n, length)).astype("int32")
 
 
-def masked_sequence_model(seed=1, vocab=20, length=12, classes=5):
+def masked_sequence_model(seed=1, vocab=20, length=12, classes=5, mask_zero=True):
     """`Embedding(mask_zero=True)` and two Dense layers per token: a loss
-    on its output averages over the valid tokens."""
+    on its output averages over the valid tokens (without `mask_zero`,
+    over those the loss itself leaves in)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((length,), dtype="int32")
-    h = layers.Embedding(vocab, 8, mask_zero=True)(inputs)
+    h = layers.Embedding(vocab, 8, mask_zero=mask_zero)(inputs)
     return keras.Model(inputs, layers.Dense(classes)(layers.Dense(8, activation="tanh")(h)))
+
+
+def token_labels(x, ignored=0.0, seed=7, classes=5):
+    """A class in 1..classes-1 per token of `padded_sequences`' `x`, and 0
+    (the class a loss's `ignore_class=0` leaves out) where it pads and, with
+    `ignored`, at that fraction of the other tokens too."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(1, classes, x.shape)
+    y[(x == 0) | (rng.uniform(size=x.shape) < ignored)] = 0
+    return y.astype("int32")
+
+
+class IgnoringLoss(keras.losses.Loss):
+    """A custom loss that masks its values: Keras's token cross-entropy of
+    logits, class 0 ignored, sets the mask on them."""
+
+    def call(self, y_true, y_pred):
+        return keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=True, ignore_class=0)
 
 def conv_net():
     """A small convolutional model (float16 under the `float16_policy`

@@ -169,6 +169,33 @@ def test_overflow_in_one_micro_batch_skips_the_window(scaling):
     assert bool(logs["step_finite"])
 
 
+@pytest.mark.parametrize("k, bad", [(2, 0), (3, 1)], ids=["first_of_2", "middle_of_3"])
+def test_a_nan_loss_in_any_micro_batch_skips_the_window(k, bad):
+    """A NaN loss whose gradients are finite, in one micro-batch only (not
+    the last): the whole window is skipped, and the next one applies."""
+    x, y = data(6, n=4 * k)
+    poison = np.zeros((4 * k, 1), "float32")
+    poison[4 * bad + 1] = np.nan
+
+    def poisoned_mse(t, p):
+        return keras.ops.mean(keras.ops.square(p - t[:, :1]), axis=-1) + t[:, 1]
+
+    model = make_model()
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1), scaling="adaptive")
+    step = tas.make_train_step(model, poisoned_mse, opt, accumulation_steps=k)
+    w0, scale = weights(model), float(opt.loss_scale)
+    logs = step(x, np.concatenate([y, poison], axis=1))
+    assert not bool(logs["step_finite"])
+    # Bad data, not an overflow: the scale stays.
+    assert not bool(opt.last_loss_finite.numpy()) and float(opt.loss_scale) == scale
+    assert int(opt.skipped_steps) == int(opt.total_steps) == 1
+    assert int(opt.iterations) == 0
+    for a, b in zip(w0, weights(model)):
+        np.testing.assert_array_equal(b, a)
+    logs = step(x, np.concatenate([y, np.zeros_like(poison)], axis=1))
+    assert bool(logs["step_finite"]) and int(opt.iterations) == 1
+
+
 def test_bad_arguments_are_refused():
     model = make_model()
     with pytest.raises(ValueError, match="accumulation_steps"):

@@ -2,8 +2,9 @@
 
 The optimizer's `accumulation_steps=K` sums K of `fit`'s batches. With equal
 weights that is one step on their union only where every batch's loss
-divides by the same number; under a Keras mask (padded sequences) it divides
-by its valid entries, which differ from batch to batch. Keras's trainer
+divides by the same number; under a Keras mask (padded sequences, a loss's
+`ignore_class`) it divides by its valid entries, which differ from batch to
+batch. Keras's trainer
 hands an optimizer a batch's scaled loss and gradients, nothing else (on
 JAX not even a variable written by `scale_loss`), so the model says it: the
 loss of a model wrapped by `exact_accumulation` carries the batch's
@@ -25,7 +26,17 @@ CARRIES_NORMALISER = "carries_loss_normaliser"
 
 def exact_accumulation(model):
     """Wraps `model` so that `fit` with `accumulation_steps=K` equals one
-    step on the K batches together, whatever its loss divides by.
+    step on the K batches together, whatever its compiled loss divides by.
+
+    Each batch weighs by its compiled loss's normaliser
+    (`loss_normaliser.of_compiled`): the valid entries under a Keras mask,
+    on the outputs or on the loss values (`ignore_class`), the sample
+    weights under `"mean_with_sample_weight"`, the samples otherwise. The
+    model must be compiled with a `loss`: one trained through `add_loss`
+    alone is refused at its first batch, since what such a loss divides by
+    (a batch mean, a mean over valid tokens, a sum) is not known. Several
+    outputs or losses, one of whose normalisers depends on the data, are
+    refused too (no one weight per batch is exact for all).
 
     Args:
         model: A Keras model.
@@ -71,6 +82,8 @@ class ExactAccumulationModel(keras.Model):
             raise TypeError(f"`model` must be a Keras model. Received: {model!r}")
         super().__init__(**kwargs)
         self.inner = model
+        if hasattr(model, "output_names"):  # for losses and metrics by output name
+            self.output_names = model.output_names
         # Its gradient is the batch's normaliser; overwritten with it, so
         # that any optimizer leaves the model as it would without it.
         self.normaliser = self.add_weight(shape=(), initializer="zeros", name="loss_normaliser")
@@ -82,10 +95,18 @@ class ExactAccumulationModel(keras.Model):
         return self.inner(inputs, training=training)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if training and self.loss is None:  # `add_loss` alone: see `exact_accumulation`
+            raise ValueError(
+                "tas.exact_accumulation(model) was compiled without a `loss`: "
+                "each batch weighs by what the compiled loss divides by, and "
+                "what a loss added by `add_loss` divides by is not known. "
+                "Compile it with `loss=...`, or fit the unwrapped model (its "
+                "batches then weigh equally)."
+            )
         loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         if not training or loss is None:
             return loss
-        normaliser = loss_normaliser.of_compiled(self.loss, y, y_pred, sample_weight)
+        normaliser = loss_normaliser.of_compiled(self, y, y_pred, sample_weight)
         # Under a tf.distribute strategy, replicas weigh by their normaliser.
         loss = loss * ops.cast(backends.replica_weight(normaliser), loss.dtype)
         probe = ops.cast(self.normaliser.value, loss.dtype)

@@ -39,6 +39,18 @@ def collected_losses(model):
     return model._losses_override
 
 
+def compiled_losses(model):
+    """The losses `model.compile(loss=...)` made, as `(path, keras.losses.Loss)`
+    pairs (the path of each one's output in `y_pred`), and the output names
+    the paths may use; built by the first `compute_loss`.
+
+    Keras resolves names, functions and structures of losses into
+    `CompileLoss._flat_losses`, with no public accessor.
+    """
+    compiled = model._compile_loss
+    return [(flat.path, flat.loss) for flat in compiled._flat_losses], compiled.output_names
+
+
 # Functional graphs (`instrument` rebuilds a model's graph call by call).
 
 

@@ -299,22 +299,25 @@ class _TrainStep:
             )
         terms = list(terms)
         fn = self.loss_fn
-        dependent = [loss_normaliser.depends_on_data(fn, p, w) for _, p, w in terms]
-        if any(dependent) and len(terms) > 1 and self.accumulation_steps > 1:
+        normalisers = [loss_normaliser.of_batch(fn, t, p, w) for t, p, w in terms]
+        dependent = any(n.depends_on_data for n in normalisers)
+        replicas = self.strategy.num_replicas_in_sync
+        if dependent and len(terms) > 1 and (self.accumulation_steps > 1 or replicas > 1):
             raise ValueError(
                 f"accumulation_steps={self.accumulation_steps} with {len(terms)} "
-                "outputs whose loss normalisers differ (a Keras mask, or "
-                "'mean_with_sample_weight'): no single weight per micro-batch "
-                "equals the whole batch's step. Use accumulation_steps=1 or "
-                "one output."
+                "outputs whose loss normalisers differ (a Keras mask, on the outputs "
+                "or on the loss values as `ignore_class` puts it, or "
+                f"'mean_with_sample_weight'), on {replicas} replica(s): no single "
+                "weight per micro-batch or replica equals the whole batch's step. "
+                "Use accumulation_steps=1 on one replica, or one output."
             )
         # A sum, as the gradient of an unreduced loss is; Keras leaves an
         # empty batch's loss unreduced, of shape (0,).
         weight = 1.0 if fn.reduction in loss_normaliser.ADDITIVE else share
         loss = weight * sum(ops.sum(ops.cast(fn(t, p, w), "float32")) for t, p, w in terms)
-        if any(dependent):
-            ((t, p, w),) = terms
-            return loss, loss_normaliser.normaliser(fn, t, p, w)
+        # Several outputs get here as one micro-batch on one replica: no weight.
+        if dependent and len(terms) == 1:
+            return loss, normalisers[0].value
         return loss, None
 
     def _logs(self, loss):
