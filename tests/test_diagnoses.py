@@ -138,3 +138,33 @@ def test_summary_and_scalars_come_from_the_record():
     assert monitor_log.summary(None, []) == "ScaleMonitor: nothing recorded."
     assert monitor_log.summary(r, []).endswith("No layer flagged.")
     assert np.isclose(diagnoses.largest_norm(r), 2.0)
+
+
+def test_a_fall_counts_from_the_highest_level_not_the_oldest():
+    """A norm that rises 3 orders, then falls 5: 5 orders below its peak
+    (`vanishing_orders`=4) is vanishing, though only 2 below where it began."""
+    records = [record(i, {"a": n, "b": 1.0}) for i, n in enumerate([1.0, 1e3, 1e-2])]
+    found = run(records, {"vanishing"})
+    assert found == [(2, "a", "vanishing")]
+    flags, memory = [], diagnoses.Memory()
+    for r in records:
+        new, memory = diagnoses.diagnose(
+            diagnoses.Observation(r, True, diagnoses.Settings(), 1e-3, past=memory))
+        flags += new
+    assert "fell 5.0 orders of magnitude within 2 measurements" in flags[-1].message
+
+
+def test_the_history_kept_is_the_last_window_measurements():
+    """`window`=3: each layer keeps its last 3 levels, and a fall is judged
+    within them: a peak 4 measurements back is forgotten."""
+    norms = [1e3, 1.0, 1.0, 1.0, 1e-2]
+    records = [record(i, {"a": n, "b": 1.0}) for i, n in enumerate(norms)]
+    settings = diagnoses.Settings(window=3)
+    memory = diagnoses.Memory()
+    for r in records:
+        _, memory = diagnoses.diagnose(diagnoses.Observation(r, True, settings, 1e-3, past=memory))
+        assert len(memory.levels["a"]) <= 3
+    assert memory.levels["a"] == pytest.approx(np.log10(norms[-3:]).tolist())
+    assert run(records, {"vanishing"}, settings) == []
+    # Within a window of 5 the peak is still there: 5 orders down.
+    assert run(records, {"vanishing"}, diagnoses.Settings(window=5)) == [(4, "a", "vanishing")]
