@@ -1015,3 +1015,16 @@ def test_per_layer_logs_carry_the_measured_figures_only_where_new(float16_policy
         assert np.isfinite(logs["layer/head/scale"]) and np.isfinite(logs["scale/loss_scale"])
     last = max(i for i, fresh in enumerate(new) if fresh)
     assert history["layer/head/grad_norm"] == [pytest.approx(seen[last]["layer/head/grad_norm"])]
+
+
+def test_the_advice_counts_batches_under_accumulation(float16_policy):
+    """`every_n_steps` counts batches, `update_every` optimizer steps: with
+    windows of 2 batches, a measurement every 5 steps is one every 10
+    batches, and a report every 4 batches matches `update_every`=2."""
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(named_mlp(), monitor, update_every=5, accumulation_steps=2)
+    [message] = stale_warnings(caught)
+    assert message.endswith("set `every_n_steps` to a multiple of 10, or the optimizer's "
+                            "`update_every` to 2.")

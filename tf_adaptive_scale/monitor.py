@@ -160,10 +160,7 @@ class ScaleMonitor(keras.callbacks.Callback):
             if logs is not None:
                 logs.update(self._logged(record, record.new_measurement))
             if not record.new_measurement:
-                self._stale(f"the report at step {record.step}", record, (
-                    f"more seldom than this monitor reports (`every_n_steps`={self.every_n_steps})"
-                ), f"set `every_n_steps` to a multiple of {self._update_every()}, or the "
-                   f"optimizer's `update_every` to {self.every_n_steps}")
+                self._stale_report(record)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._step > self._reported_batch:
@@ -174,12 +171,8 @@ class ScaleMonitor(keras.callbacks.Callback):
             if logs is not None:
                 logs.update(self._logged(self._latest, fresh))
             self._to_history(self._latest, fresh)
-            steps = self._step - self._steps_before_epoch
             if not fresh:
-                self._stale(f"epoch {epoch + 1} ({steps} steps)", self._latest, (
-                    f"more seldom than once an epoch; this monitor reports at each epoch's end "
-                    f"and every `every_n_steps`={self.every_n_steps} steps"
-                ), f"set the optimizer's `update_every` to {steps} or fewer")
+                self._stale_epoch(epoch, self._step - self._steps_before_epoch)
         self._measurements_before_epoch = self._since.measurements
         self._steps_before_epoch = self._step
 
@@ -220,24 +213,44 @@ class ScaleMonitor(keras.callbacks.Callback):
             if key not in monitor_log.PROGRESS_KEYS:
                 history.history.setdefault(key, []).append(value)
 
-    def _update_every(self):
-        return self._adaptive_optimizer().update_every
+    # Reports that find no new measurement (`every_n_steps` counts batches,
+    # `update_every` optimizer steps: windows of `accumulation_steps` batches).
+
+    def _stale_report(self, record):
+        """Warns (once) of a report on schedule without a new measurement."""
+        opt = self._adaptive_optimizer()
+        self._stale(
+            f"the report at step {record.step}", record,
+            f"more seldom than this monitor reports (`every_n_steps`={self.every_n_steps})",
+            "set `every_n_steps` to a multiple of "
+            f"{opt.update_every * opt.accumulation_steps}, or the optimizer's `update_every` "
+            f"to {max(self.every_n_steps // opt.accumulation_steps, 1)}")
+
+    def _stale_epoch(self, epoch, steps):
+        """Warns (once) of an epoch of `steps` batches without a measurement."""
+        self._stale(
+            f"epoch {epoch + 1} ({steps} steps)", self._latest,
+            "more seldom than once an epoch; this monitor reports at each epoch's end and "
+            f"every `every_n_steps`={self.every_n_steps} steps",
+            "set the optimizer's `update_every` to "
+            f"{max(steps // self._adaptive_optimizer().accumulation_steps, 1)} or fewer")
 
     def _stale(self, where, record, how_often, advice):
         """Warns, once, that `where` saw no new measurement because the
         optimizer measures `how_often`; not where a measurement is overdue
         (skipped steps postpone it) or none was ever taken."""
-        due = self._since.total_steps - record.measured_step <= self._update_every()
+        update_every = self._adaptive_optimizer().update_every
+        due = self._since.total_steps - record.measured_step <= update_every
         if self._warned_stale or record.measured_step < 0 or not due:
             return
         self._warned_stale = True
         warnings.warn(
             f"ScaleMonitor: {where} has no new gradient measurement (the last was at step "
             f"{record.measured_step}): the optimizer measures every `update_every`="
-            f"{self._update_every()} steps, {how_often}. Gradient figures not measured since "
-            "the report before (in History: during the epoch) are NaN in History and logs, "
-            "marked `new_measurement: false` in the JSON lines, and in TensorBoard once, at "
-            f"their measured step. For new ones at every report, {advice}.",
+            f"{update_every} steps, {how_often}. Gradient figures not measured since the "
+            "report before (in History: during the epoch) are NaN in History and logs, marked "
+            "`new_measurement: false` in the JSON lines, and in TensorBoard once, at their "
+            f"measured step. For new ones at every report, {advice}.",
             UserWarning, stacklevel=3)
 
     def _interval_loss(self, loss):
@@ -285,11 +298,10 @@ class ScaleMonitor(keras.callbacks.Callback):
         record = monitor_log.LogRecord.of_reading(
             reading, self._since, step=step, epoch=epoch, loss=loss, policy=opt.policy,
             underflow_rate=rate)
-        new_measurement = reading.measurements > self._since.measurements
         observation = diagnoses.Observation(
-            record, new_measurement, self.settings, rate,
+            record, record.new_measurement, self.settings, rate,
             # Read only where a diagnosis reads them: on a new measurement.
-            weight_dtypes=_weight_dtypes(opt) if new_measurement else (),
+            weight_dtypes=_weight_dtypes(opt) if record.new_measurement else (),
             stall=self._check_progress(opt),
             probe=None if self.probe is None else self._first_non_finite_layer,
             past=self._memory)
