@@ -134,7 +134,79 @@ def test_summary_and_scalars_come_from_the_record():
     assert keys["layer/a/underflow"] == 0.25 and "layer/a/histogram" not in keys
     assert list(monitor_log.scalars(r, per_layer=False)) == [
         "scale/loss_scale", "scale/skipped_steps", "scale/skipped_since_last",
-        "scale/grad_norm", "scale/clip_rate"]
+        "scale/grad_norm", "scale/clip_rate", "scale/measured_step"]
     assert monitor_log.summary(None, []) == "ScaleMonitor: nothing recorded."
     assert monitor_log.summary(r, []).endswith("No layer flagged.")
     assert np.isclose(diagnoses.largest_norm(r), 2.0)
+
+
+def test_a_fall_counts_from_the_highest_level_not_the_oldest():
+    """A norm that rises 3 orders, then falls 5: 5 orders below its peak
+    (`vanishing_orders`=4) is vanishing, though only 2 below where it began."""
+    records = [record(i, {"a": n, "b": 1.0}) for i, n in enumerate([1.0, 1e3, 1e-2])]
+    found = run(records, {"vanishing"})
+    assert found == [(2, "a", "vanishing")]
+    flags, memory = [], diagnoses.Memory()
+    for r in records:
+        new, memory = diagnoses.diagnose(
+            diagnoses.Observation(r, True, diagnoses.Settings(), 1e-3, past=memory))
+        flags += new
+    assert "fell 5.0 orders of magnitude within 2 measurements" in flags[-1].message
+
+
+def test_the_history_kept_is_the_last_window_measurements():
+    """`window`=3: each layer keeps its last 3 levels, and a fall is judged
+    within them: a peak 4 measurements back is forgotten."""
+    norms = [1e3, 1.0, 1.0, 1.0, 1e-2]
+    records = [record(i, {"a": n, "b": 1.0}) for i, n in enumerate(norms)]
+    settings = diagnoses.Settings(window=3)
+    memory = diagnoses.Memory()
+    for r in records:
+        _, memory = diagnoses.diagnose(diagnoses.Observation(r, True, settings, 1e-3, past=memory))
+        assert len(memory.levels["a"]) <= 3
+    assert memory.levels["a"] == pytest.approx(np.log10(norms[-3:]).tolist())
+    assert run(records, {"vanishing"}, settings) == []
+    # Within a window of 5 the peak is still there: 5 orders down.
+    assert run(records, {"vanishing"}, diagnoses.Settings(window=5)) == [(4, "a", "vanishing")]
+
+
+def test_flags_of_the_measured_figures_carry_their_step():
+    """A flag on a measured figure carries the step measured; one on what a
+    report reads (skipped steps) does not."""
+    records = [dataclasses.replace(record(i, {"dead": 0.0, "live": 1.0}, skipped=5 * (i == 2)),
+                                   measured_step=10 * i - 1) for i in range(1, 4)]
+    flags, memory = [], diagnoses.Memory()
+    for r in records:
+        new, memory = diagnoses.diagnose(
+            diagnoses.Observation(r, True, diagnoses.Settings(), 1e-3, past=memory))
+        flags += new
+    assert [(f.kind, f.measured_step) for f in flags] == [("skipped", None),
+                                                          ("never_updates", 29)]
+
+
+def test_figures_not_measured_since_are_nan_and_the_summary_names_the_step():
+    layer = dict(underflow=0.25, overflow=0.0, zero_fraction=0.0)
+    r = dataclasses.replace(record(78, {"a": 0.5}, **layer), measured_step=0,
+                            zero_fraction=0.1, underflow=0.2)
+    fresh = monitor_log.scalars(r, per_layer=True)
+    stale = monitor_log.scalars(r, per_layer=True, fresh=False)
+    assert list(stale) == list(fresh)
+    nan = {key for key, value in stale.items() if np.isnan(value)}
+    assert nan == {"scale/grad_norm", "scale/underflow", "scale/zero_fraction",
+                   "layer/a/grad_norm", "layer/a/zeros", "layer/a/underflow",
+                   "layer/a/overflow", "layer/a/zero_fraction"}
+    assert {key: stale[key] for key in stale if key not in nan} == {
+        key: fresh[key] for key in fresh if key not in nan}
+    assert stale["scale/measured_step"] == 0 and stale["layer/a/scale"] == 1.0
+    text = monitor_log.summary(r, [])
+    assert text.startswith("ScaleMonitor summary at step 78: loss scale 2**0, 0 skipped steps; "
+                           "gradient norm 1, measured at step 0.")
+    unmeasured = monitor_log.summary(dataclasses.replace(r, measured_step=-1), [])
+    assert "no gradient measured yet" in unmeasured and "gradient norm" not in unmeasured
+
+
+def test_new_measurement_survives_the_json_form():
+    r = dataclasses.replace(record(7, {"a": 1.0}), measured_step=3, new_measurement=False)
+    assert r.to_json()["new_measurement"] is False
+    assert LogRecord.from_json(r.to_json()) == r
+    assert LogRecord.from_json({"step": 7}).new_measurement  # an older log's

@@ -91,9 +91,13 @@ def test_tensorboard_events_hold_the_recorded_values(float16_policy, tmp_path):
     events.Reload()
     tags = events.Tags()["tensors"]
     record = monitor.records[-1]
+    # The scale at each report; the measured figures at their step, every
+    # `update_every`=5 steps of the 16.
+    assert [e.step for e in events.Tensors("scale/loss_scale")] == [
+        r["step"] for r in monitor.records]
     for layer in ("hidden_0", "head"):
         scalar = events.Tensors(f"layer/{layer}/grad_norm")
-        assert [e.step for e in scalar] == [r["step"] for r in monitor.records]
+        assert [e.step for e in scalar] == [0, 5, 10, 15]
         assert float(tf.make_ndarray(scalar[-1].tensor_proto)) == pytest.approx(
             record["layers"][layer]["grad_norm"], rel=1e-6)
         tag = f"layer/{layer}/exponents"
@@ -801,3 +805,226 @@ def test_a_healthy_float16_model_with_dead_units_shows_zeros_not_underflow(float
     assert record["zero_fraction"] == pytest.approx(expected, abs=0.02)
     assert record["underflow"] < 0.002
     assert float(monitor.optimizer.underflow_fraction) > 0.2  # zeros counted there
+
+
+# The measured figures, at the step they were measured (the optimizer
+# measures every `update_every` steps; the monitor reports more often).
+
+
+class MeasuredSteps(keras.callbacks.Callback):
+    """Reads the optimizer after every batch, apart from the monitor: the
+    steps it measured, with the global gradient norm each gave."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.opt = optimizer
+        self.measured = []  # (measured step, gradient norm)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.opt.measurements) > len(self.measured):
+            self.measured.append((int(self.opt.measured_step), float(self.opt.gradient_norm)))
+
+
+def small_cnn(steps):
+    """A 4-layer CNN (8x8 images), 4 images a batch for `steps` batches."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv1"),
+        keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv2"),
+        keras.layers.GlobalAveragePooling2D(name="pool"),
+        keras.layers.Dense(2, dtype="float32", name="head"),
+    ])
+    rng = np.random.default_rng(0)
+    return (model, rng.standard_normal((4 * steps, 8, 8, 1)).astype("float32"),
+            rng.standard_normal((4 * steps, 2)).astype("float32"))
+
+
+def stale_warnings(caught):
+    return [str(w.message) for w in caught if "no new gradient measurement" in str(w.message)]
+
+
+def assert_history_holds_only_what_each_epoch_measured(history, measured, epoch_steps, keys):
+    """Each epoch's measured figures are finite where the epoch measured a
+    step (the global norm: its last one's), NaN where it did not."""
+    for epoch, value in enumerate(history["scale/grad_norm"]):
+        steps = range(epoch * epoch_steps, (epoch + 1) * epoch_steps)
+        norms = [norm for step, norm in measured if step in steps]
+        if norms:
+            assert value == pytest.approx(norms[-1], rel=1e-6), epoch
+        else:
+            assert np.isnan(value), epoch
+        for key in keys:
+            assert np.isfinite(history[key][epoch]) == bool(norms), (key, epoch)
+
+
+def test_the_issue_run_shows_no_figure_under_a_step_it_was_not_measured_at(
+        float16_policy, tmp_path):
+    """The issue's run: 78 steps (3 epochs of 26) of a small CNN, a report
+    every 10 steps, the optimizer measuring every 100 (its default): one
+    measurement, at step 0. History, the JSON lines, TensorBoard, the
+    summary and the pictures' titles show its figures at step 0 only, and
+    the monitor says once why the reports in between have none."""
+    from matplotlib.figure import Figure
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from tf_adaptive_scale import report
+
+    model, x, y = small_cnn(26)
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(opt, "mse", jit_compile=True)
+    monitor = tas.ScaleMonitor(every_n_steps=10, log_dir=str(tmp_path), verbose=0)
+    reads = MeasuredSteps(opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=4, epochs=3, verbose=0,
+                            callbacks=[monitor, reads]).history
+    assert int(opt.total_steps) == 78 and opt.update_every == 100
+    measured = reads.measured
+    assert [step for step, _ in measured] == [0]
+
+    # History: epoch 1 holds step 0's figures, epochs 2 and 3 none; what
+    # is read at the report (the scales, the counts) every epoch.
+    layer_keys = [f"layer/{name}/{field}" for name in ("conv1", "conv2", "head")
+                  for field in ("grad_norm", "zeros", "zero_fraction", "underflow", "overflow")]
+    assert_history_holds_only_what_each_epoch_measured(
+        history, measured, 26, ["scale/underflow", "scale/zero_fraction", *layer_keys])
+    assert history["scale/measured_step"] == [0, 0, 0]
+    for key in ("scale/loss_scale", "layer/conv1/scale", "scale/clip_rate"):
+        assert np.isfinite(history[key]).all(), key
+
+    # The JSON lines: each report tells its measured step, and only the
+    # first after a measurement calls its figures new.
+    reported = [r["step"] for r in monitor.records]
+    assert reported == [10, 20, 26, 36, 46, 52, 62, 72, 78]
+    assert [r["measured_step"] for r in monitor.records] == [0] * 9
+    before = [0] + reported[:-1]
+    assert [r["new_measurement"] for r in monitor.records] == [
+        any(start <= step < end for step, _ in measured) for start, end in zip(before, reported)]
+    lines = (tmp_path / monitor_lib.JSON_LINES_FILE).read_text().splitlines()
+    assert [json.loads(line)["new_measurement"] for line in lines] == [True] + [False] * 8
+
+    # TensorBoard: the scale at every report, the measured figures once, at step 0.
+    events = event_accumulator.EventAccumulator(
+        str(tmp_path), size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("scale/loss_scale")] == reported
+    for tag in ("scale/grad_norm", "layer/conv1/grad_norm", "layer/conv1/exponents"):
+        assert [e.step for e in events.Tensors(tag)] == [0], tag
+    assert float(tf.make_ndarray(events.Tensors("scale/grad_norm")[0].tensor_proto)) == (
+        pytest.approx(measured[0][1], rel=1e-6))
+
+    # The summary quotes the norm with its step.
+    summary = monitor.summary()
+    assert summary.count("gradient norm") == 1
+    assert re.findall(r"gradient norm ([^,]+), measured at step (\d+)", summary) == [
+        (f"{measured[0][1]:.3g}", "0")]
+
+    # The pictures: the gradient norms one column, titled by its step; the
+    # histograms the step they show.
+    run = report._load(tmp_path)
+    fig = Figure()
+    report._draw_gradient_norms(fig, run)
+    assert fig.axes[0].get_title().startswith("one measurement, at step 0 ")
+    assert fig.axes[0].collections[0].get_array().shape == (3, 1)
+    fig = Figure()
+    report._draw_histograms(fig, run)
+    assert fig.get_supxlabel() == "each layer at the last measurement, step 0"
+
+    # Said once, naming both arguments.
+    [message] = stale_warnings(caught)
+    assert "the report at step 20" in message
+    assert "`every_n_steps`=10" in message and "`update_every`=100" in message
+
+
+def fit_measuring(model, monitor, update_every, epochs, samples, *callbacks):
+    """`fit` of `model` (8 inputs) with batches of 8; the optimizer and
+    what `MeasuredSteps` read."""
+    opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.01), update_every=update_every)
+    model.compile(opt, "mse", jit_compile=True)
+    x, y = data(n=samples)
+    reads = MeasuredSteps(opt)
+    history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0,
+                        callbacks=[monitor, *callbacks, reads])
+    return history.history, reads.measured
+
+
+def test_an_epoch_without_a_measurement_has_nan_in_history_and_says_so(float16_policy):
+    """Epochs of 8 steps, a measurement every 20 (steps 0 and 20): the
+    second epoch measures nothing, and History shows nothing for it; the
+    reports come at the epochs' ends only (`every_n_steps`=100)."""
+    monitor = tas.ScaleMonitor(every_n_steps=100, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history, measured = fit_measuring(named_mlp(), monitor, 20, 3, 64)
+    steps = [step for step, _ in measured]
+    assert len(steps) == 2 and steps[0] < 8 and steps[1] >= 16
+    assert_history_holds_only_what_each_epoch_measured(
+        history, measured, 8, ["layer/hidden_0/grad_norm", "layer/head/zero_fraction"])
+    assert history["scale/measured_step"] == [steps[0], steps[0], steps[1]]
+    [message] = stale_warnings(caught)
+    assert message.startswith("ScaleMonitor: epoch 2 (8 steps) has no new gradient measurement")
+    assert "`update_every`=20" in message and "`every_n_steps`=100" in message
+    assert "`update_every` to 8 or fewer" in message
+
+
+def test_reports_that_see_every_measurement_do_not_warn(float16_policy):
+    """A report every 4 steps and a measurement every 4, in epochs of 6: the
+    reports at the epochs' ends fall between two measurements, yet every
+    epoch measures, and each report on schedule sees a new one."""
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history, measured = fit_measuring(named_mlp(), monitor, 4, 3, 48)
+    steps = [step for step, _ in measured]
+    assert np.diff(steps).tolist() == [4] * 4
+    assert stale_warnings(caught) == []
+    reported = [r["step"] for r in monitor.records]
+    assert reported == [4, 6, 10, 12, 16, 18]
+    new = [any(start <= step < end for step in steps)
+           for start, end in zip([0] + reported[:-1], reported)]
+    assert [r["new_measurement"] for r in monitor.records] == new
+    assert new.count(False) == 1  # the report at the end of epoch 2
+    assert_history_holds_only_what_each_epoch_measured(
+        history, measured, 6, ["layer/hidden_0/grad_norm"])
+
+
+def test_per_layer_logs_carry_the_measured_figures_only_where_new(float16_policy):
+    """`per_layer_logs=True`: the keys a callback after the monitor (and
+    the progress bar) reads are NaN where the report has no new
+    measurement, the measured step always."""
+    seen = []
+    after = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(
+        dict(logs)) if "scale/measured_step" in logs else None)
+    monitor = tas.ScaleMonitor(every_n_steps=2, per_layer_logs=True, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        history, measured = fit_measuring(named_mlp(), monitor, 4, 1, 64, after)
+    steps = [step for step, _ in measured]
+    assert len(steps) == 2
+    # Reports at steps 2, 4, 6, 8: the first after each measurement is new.
+    reported = [2, 4, 6, 8]
+    assert [logs["scale/measured_step"] for logs in seen] == [
+        max(step for step in steps if step < end) for end in reported]
+    new = [any(start <= step < end for step in steps)
+           for start, end in zip([0] + reported[:-1], reported)]
+    assert new.count(True) == 2
+    for logs, fresh in zip(seen, new):
+        for key in ("scale/grad_norm", "layer/head/grad_norm", "layer/head/zeros"):
+            assert np.isfinite(logs[key]) == fresh, (key, logs)
+        assert np.isfinite(logs["layer/head/scale"]) and np.isfinite(logs["scale/loss_scale"])
+    last = max(i for i, fresh in enumerate(new) if fresh)
+    assert history["layer/head/grad_norm"] == [pytest.approx(seen[last]["layer/head/grad_norm"])]
+
+
+def test_the_advice_counts_batches_under_accumulation(float16_policy):
+    """`every_n_steps` counts batches, `update_every` optimizer steps: with
+    windows of 2 batches, a measurement every 5 steps is one every 10
+    batches, and a report every 4 batches matches `update_every`=2."""
+    monitor = tas.ScaleMonitor(every_n_steps=4, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(named_mlp(), monitor, update_every=5, accumulation_steps=2)
+    [message] = stale_warnings(caught)
+    assert message.endswith("set `every_n_steps` to a multiple of 10, or the optimizer's "
+                            "`update_every` to 2.")

@@ -342,3 +342,78 @@ def test_a_history_without_scales_says_so(tmp_path):
     ax = _drawn(report._draw_loss_and_skips, run)[0]
     assert "skipped steps not recorded" in {t.get_text() for t in ax.texts}
     assert ax.get_xlim()[0] == 0  # epochs 1 and 2, from 0
+
+
+def measured_every(every, reports=10):
+    """records() of a run measured every `every` steps (its reports every
+    100): each report carries the last measurement, at `measured_step`,
+    the same figures until the next."""
+    logged, first = list(records(reports)), None
+    for record in logged:
+        measured = (record["step"] - 1) // every * every
+        new = first is None or first["measured_step"] != measured
+        if new:
+            first = record
+        else:
+            record["grad_norm"] = first["grad_norm"]
+            for name, layer in record["layers"].items():
+                layer.update({key: first["layers"][name][key]
+                              for key in ("grad_norm", "underflow", "histogram")})
+        record.update(measured_step=measured, new_measurement=new)
+    return logged
+
+
+def test_measured_figures_are_drawn_once_at_their_step(tmp_path):
+    """Reports every 100 steps, measurements every 300: the gradient norms
+    have a column per measurement, from its step to the next, titled by
+    the measurements; the histograms name the step measured."""
+    from tf_adaptive_scale import report
+
+    logged = measured_every(300)
+    with open(tmp_path / "scale_monitor.jsonl", "w") as f:
+        for record in logged:
+            f.write(json.dumps(record) + "\n")
+    out = tmp_path / "out"
+    assert_pictures(plot_report(tmp_path, out), out, list(TITLES))
+    run = report._load(tmp_path)
+    ax = _drawn(report._draw_gradient_norms, run)[0]
+    assert ax.get_title() == ("4 measurements, steps 0 to 900 "
+                              "(each drawn until the next; the last, until step 1000)")
+    assert ax.get_xlim() == (0.0, 1000.0)
+    cells = ax.collections[0].get_array()
+    firsts = [logged[i] for i in (0, 3, 6, 9)]  # the first report of each measurement
+    for row, name in enumerate(LAYERS):
+        norms = np.array([r["layers"][name]["grad_norm"] for r in firsts])
+        np.testing.assert_allclose(cells[row][norms > 0], np.log10(norms[norms > 0]))
+    assert len(ax.texts) == 3 * 4  # few measurements: written in
+    axes = _drawn(report._draw_histograms, run)
+    assert axes[0].figure.get_supxlabel() == "each layer at the last measurement, step 900"
+    # The scales, read at each report, stay one column per report.
+    assert _drawn(report._draw_scales, run)[0].get_title().startswith("10 reports, steps 100 to")
+
+
+def test_reports_before_the_first_measurement_draw_no_figure(tmp_path):
+    from tf_adaptive_scale import report
+
+    logged = measured_every(300)
+    for record in logged:
+        record.update(measured_step=-1, new_measurement=False)
+    run = report._from_records(logged)
+    ax = _drawn(report._draw_gradient_norms, run)[0]
+    assert [t.get_text() for t in ax.texts] == ["Nothing to draw: the log holds no measurement."]
+    assert run["histograms"] == {}
+    logged[4].update(measured_step=350, new_measurement=True)
+    run = report._from_records(logged)
+    assert list(run["measured_steps"]) == [350]
+    assert {step for _, _, step in run["histograms"].values()} == {350}
+
+
+def test_a_history_counts_the_epochs_with_a_measurement():
+    from tf_adaptive_scale import report
+
+    history = history_dict(epochs=3)
+    for name in LAYERS:
+        history[f"layer/{name}/grad_norm"] = [1e-3, np.nan, np.nan]
+    ax = _drawn(report._draw_gradient_norms, report._from_history(history))[0]
+    assert ax.get_title() == "3 epochs (History: one value per epoch); 1 with a measurement"
+    assert np.ma.count_masked(ax.collections[0].get_array()) == 2 * len(LAYERS)

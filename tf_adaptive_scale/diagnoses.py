@@ -78,11 +78,14 @@ def args_doc(indent):
 
 
 class Flag(typing.NamedTuple):
-    """What a diagnosis found: the layer (or `ALL`), its kind, a message."""
+    """What a diagnosis found: the layer (or `ALL`), its kind, a message
+    and, for one of the measured figures, the step they were measured at
+    (`LogRecord.measured_step`; set by `diagnose`)."""
 
     layer: str
     kind: str
     message: str
+    measured_step: typing.Optional[int] = None
 
 
 class Memory(typing.NamedTuple):
@@ -309,6 +312,8 @@ def underflow(obs, name):
 EVERY_REPORT = (stalled, skipped_run, non_finite_loss)
 EACH_MEASUREMENT = (beyond_float16, no_single_scale, precision_limited)
 EACH_LAYER = (never_updates, vanishing_against_largest, vanishing_fall, exploding, underflow)
+# The diagnoses of the measured figures: their flags carry its step.
+OF_MEASURED_FIGURES = frozenset({beyond_float16, no_single_scale, *EACH_LAYER})
 # Kinds flagged every time they are found, not once: each run is news.
 REPEATED = frozenset({"skipped"})
 
@@ -330,9 +335,10 @@ def diagnose(obs):
     obs = obs._replace(now=remember(obs.past, obs.record, obs.new_measurement, obs.settings))
     found = [flag for diagnosis in EVERY_REPORT for flag in diagnosis(obs)]
     if obs.new_measurement:
-        found += [flag for diagnosis in EACH_MEASUREMENT for flag in diagnosis(obs)]
-        found += [flag for name in obs.record.layers for diagnosis in EACH_LAYER
-                  for flag in diagnosis(obs, name)]
+        found += [_measured(flag, diagnosis, obs) for diagnosis in EACH_MEASUREMENT
+                  for flag in diagnosis(obs)]
+        found += [_measured(flag, diagnosis, obs) for name in obs.record.layers
+                  for diagnosis in EACH_LAYER for flag in diagnosis(obs, name)]
     flags, flagged = [], set(obs.past.flagged)
     for flag in found:
         if (flag.layer, flag.kind) not in flagged:
@@ -340,3 +346,10 @@ def diagnose(obs):
             if flag.kind not in REPEATED:
                 flagged.add((flag.layer, flag.kind))
     return flags, obs.now._replace(flagged=frozenset(flagged))
+
+
+def _measured(flag, diagnosis, obs):
+    """`flag`, with the measured step where `diagnosis` reads the measured figures."""
+    if diagnosis not in OF_MEASURED_FIGURES:
+        return flag
+    return flag._replace(measured_step=obs.record.measured_step)

@@ -39,6 +39,12 @@ class ScaleMonitor(keras.callbacks.Callback):
     `block/dense_2`). docs/monitor.md tells the keys, the names, the
     diagnoses and the probe.
 
+    The gradient figures are the optimizer's last measured step's (it
+    measures every `update_every` steps), told by `scale/measured_step`:
+    where none is new since the last report (in `History`, since the last
+    epoch) they are NaN, and TensorBoard has them once, at the step they
+    were measured. A monitor that reports between measurements says so once.
+
     Args:
         every_n_steps: Steps between two reports.
         log_dir: Optional directory for TensorBoard events and JSON lines.
@@ -99,6 +105,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._latest = None  # the last report's `LogRecord`
         self._memory = diagnoses.Memory()
         self._writer = None
+        self._warned_stale = False  # said once that reports outrun measurements
         self._begin()
 
     def __getattr__(self, name):
@@ -112,6 +119,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         """What a report is relative to: this run's batches, the counts."""
         self._step = self._steps_before_epoch = self._reported_batch = 0
         self._since = monitor_log.Counts()
+        self._measurements_before_epoch = 0
 
     def _adaptive_optimizer(self):
         return self._optimizer or _adaptive(
@@ -139,6 +147,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._memory = self._memory._replace(loss_finite=True)
         if optimizer.built:  # a resumed run: its counts so far are not news
             self._since = monitor_log.Counts.of(optimizer.read())
+        self._measurements_before_epoch = self._since.measurements
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -147,15 +156,24 @@ class ScaleMonitor(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the execution's last step.
         self._step = self._steps_before_epoch + batch + 1
         if self._step - self._reported_batch >= self.every_n_steps:
-            self._report(logs)
+            record = self._report(logs)
+            if logs is not None:
+                logs.update(self._logged(record, record.new_measurement))
+            if not record.new_measurement:
+                self._stale_report(record)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._step > self._reported_batch:
             self._report(logs)
-        elif logs is not None and self.records:
-            logs.update(self._logged(self._latest))
         if self.records:
-            self._to_history(self._latest)
+            # The epoch's entry: its measured figures if it measured any.
+            fresh = self._since.measurements > self._measurements_before_epoch
+            if logs is not None:
+                logs.update(self._logged(self._latest, fresh))
+            self._to_history(self._latest, fresh)
+            if not fresh:
+                self._stale_epoch(epoch, self._step - self._steps_before_epoch)
+        self._measurements_before_epoch = self._since.measurements
         self._steps_before_epoch = self._step
 
     def on_train_end(self, logs=None):
@@ -165,32 +183,75 @@ class ScaleMonitor(keras.callbacks.Callback):
             self._writer.flush()
 
     def _report(self, logs):
+        """Reads and keeps a report in `fit`; returns its `LogRecord`."""
         loss = None if logs is None else logs.get("loss")
         record = self._read(None, loss, getattr(self, "_epoch", 0))
         record = dataclasses.replace(record, from_fit=True,
                                      interval_loss=self._interval_loss(loss))
-        self._keep(record)
+        self._keep(record, record.measured_step)
         self._reported_batch = self._step
-        if logs is not None:
-            logs.update(self._logged(record))
+        return record
 
-    def _logged(self, record):
-        """A record's keys for `logs`: all with `per_layer_logs`, else the
-        few the progress bar shows on one line."""
-        keys = monitor_log.scalars(record, per_layer=True)
+    def _logged(self, record, fresh):
+        """A record's keys for `logs` (its measured figures NaN unless
+        `fresh`): all with `per_layer_logs`, else the few the progress bar
+        shows on one line (read at the report: never NaN)."""
+        keys = monitor_log.scalars(record, per_layer=True, fresh=fresh)
         if self.per_layer_logs:
             return keys
         return {key: keys[key] for key in monitor_log.PROGRESS_KEYS}
 
-    def _to_history(self, record):
+    def _to_history(self, record, fresh):
         """Appends the epoch's keys that `logs` did not carry to the
-        `History` of `fit` (which records `logs`' own after this callback)."""
+        `History` of `fit` (which records `logs`' own after this callback);
+        its measured figures NaN unless `fresh`, so that every key keeps
+        one value per epoch."""
         history = getattr(self.model, "history", None)
         if self.per_layer_logs or not isinstance(history, keras.callbacks.History):
             return
-        for key, value in monitor_log.scalars(record, per_layer=True).items():
+        for key, value in monitor_log.scalars(record, per_layer=True, fresh=fresh).items():
             if key not in monitor_log.PROGRESS_KEYS:
                 history.history.setdefault(key, []).append(value)
+
+    # Reports that find no new measurement (`every_n_steps` counts batches,
+    # `update_every` optimizer steps: windows of `accumulation_steps` batches).
+
+    def _stale_report(self, record):
+        """Warns (once) of a report on schedule without a new measurement."""
+        opt = self._adaptive_optimizer()
+        self._stale(
+            f"the report at step {record.step}", record,
+            f"more seldom than this monitor reports (`every_n_steps`={self.every_n_steps})",
+            "set `every_n_steps` to a multiple of "
+            f"{opt.update_every * opt.accumulation_steps}, or the optimizer's `update_every` "
+            f"to {max(self.every_n_steps // opt.accumulation_steps, 1)}")
+
+    def _stale_epoch(self, epoch, steps):
+        """Warns (once) of an epoch of `steps` batches without a measurement."""
+        self._stale(
+            f"epoch {epoch + 1} ({steps} steps)", self._latest,
+            "more seldom than once an epoch; this monitor reports at each epoch's end and "
+            f"every `every_n_steps`={self.every_n_steps} steps",
+            "set the optimizer's `update_every` to "
+            f"{max(steps // self._adaptive_optimizer().accumulation_steps, 1)} or fewer")
+
+    def _stale(self, where, record, how_often, advice):
+        """Warns, once, that `where` saw no new measurement because the
+        optimizer measures `how_often`; not where a measurement is overdue
+        (skipped steps postpone it) or none was ever taken."""
+        update_every = self._adaptive_optimizer().update_every
+        due = self._since.total_steps - record.measured_step <= update_every
+        if self._warned_stale or record.measured_step < 0 or not due:
+            return
+        self._warned_stale = True
+        warnings.warn(
+            f"ScaleMonitor: {where} has no new gradient measurement (the last was at step "
+            f"{record.measured_step}): the optimizer measures every `update_every`="
+            f"{update_every} steps, {how_often}. Gradient figures not measured since the "
+            "report before (in History: during the epoch) are NaN in History and logs, marked "
+            "`new_measurement: false` in the JSON lines, and in TensorBoard once, at their "
+            f"measured step. For new ones at every report, {advice}.",
+            UserWarning, stacklevel=3)
 
     def _interval_loss(self, loss):
         """The mean loss of the batches since the last report, from Keras's
@@ -220,7 +281,14 @@ class ScaleMonitor(keras.callbacks.Callback):
         """
         if self.model is not None:
             self._adaptive_optimizer().name_layers(self.model)
-        return self._keep(self._read(step, loss, epoch))
+        record = self._read(step, loss, epoch)
+        if not record.new_measurement:
+            self._stale(f"the report at step {record.step}", record,
+                        "more seldom than `log()` is called",
+                        "call `log()` once per measurement, or set the optimizer's "
+                        "`update_every` to the steps between two calls")
+        # A step of the caller's own may not count the optimizer's steps.
+        return self._keep(record, record.measured_step if step is None else record.step)
 
     def _read(self, step, loss, epoch):
         """The optimizer's state now, diagnosed: a `LogRecord`."""
@@ -230,11 +298,10 @@ class ScaleMonitor(keras.callbacks.Callback):
         record = monitor_log.LogRecord.of_reading(
             reading, self._since, step=step, epoch=epoch, loss=loss, policy=opt.policy,
             underflow_rate=rate)
-        new_measurement = reading.measurements > self._since.measurements
         observation = diagnoses.Observation(
-            record, new_measurement, self.settings, rate,
+            record, record.new_measurement, self.settings, rate,
             # Read only where a diagnosis reads them: on a new measurement.
-            weight_dtypes=_weight_dtypes(opt) if new_measurement else (),
+            weight_dtypes=_weight_dtypes(opt) if record.new_measurement else (),
             stall=self._check_progress(opt),
             probe=None if self.probe is None else self._first_non_finite_layer,
             past=self._memory)
@@ -264,27 +331,35 @@ class ScaleMonitor(keras.callbacks.Callback):
 
     def _warn(self, record, flag):
         message = f"Step {record.step}: layer '{flag.layer}': {flag.message}"
+        if flag.measured_step is not None:
+            message += f" (measured at step {flag.measured_step})"
         self.flags.append({"step": record.step, "layer": flag.layer, "kind": flag.kind,
                            "message": message})
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _keep(self, record):
-        """Keeps a report and writes it; returns its JSON form."""
+    def _keep(self, record, measured_at):
+        """Keeps a report and writes it, its new measured figures at step
+        `measured_at`; returns its JSON form."""
         self._latest = record
         self.records.append(record.to_json())
         if self.log_dir is not None:
-            self._write(record)
+            self._write(record, measured_at)
         return self.records[-1]
 
-    def _write(self, record):
+    def _write(self, record, measured_at):
         os.makedirs(self.log_dir, exist_ok=True)
         if self.json_lines:
             monitor_log.append(self.log_dir, record)
         if self._writer is None:
             self._writer = _event_writer(self.log_dir)
         scalars = monitor_log.scalars(record, per_layer=True)
-        self._writer.write(record.step, scalars, {
-            f"layer/{name}/exponents": layer.histogram for name, layer in record.layers.items()})
+        if record.new_measurement:  # once, at its step (before the report's: steps ascend)
+            self._writer.write(measured_at, {
+                key: value for key, value in scalars.items() if monitor_log.measured(key)}, {
+                f"layer/{name}/exponents": layer.histogram
+                for name, layer in record.layers.items()})
+        self._writer.write(record.step, {
+            key: value for key, value in scalars.items() if not monitor_log.measured(key)}, {})
 
     def summary(self):
         """A short text: final scales, skipped steps, flagged layers."""

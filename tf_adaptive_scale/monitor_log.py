@@ -4,6 +4,13 @@
 (`to_json`, a line of `FILE_NAME` in its `log_dir`); `tas.plot_report`
 reads the lines back (`read_lines`, `LogRecord.from_json`). The logs'
 keys (`scalars`) and the end-of-training text (`summary`) come from it too.
+
+A record holds two kinds of figures: those read at the report (the scales,
+the step counts) and those of the optimizer's last measured step
+(`measured_step`; gradient norms, zeros, underflow, histograms), which it
+takes every `update_every` steps. Reports between two measurements carry
+the same measured figures: `new_measurement` marks the first report of each,
+and `scalars` gives NaN for them where they are not news.
 """
 
 import dataclasses
@@ -41,7 +48,8 @@ class LayerRecord:
 
     Attributes:
         grad_norm: Its gradient norm at the last measured step.
-        scale: The scale its gradients carried.
+        scale: The scale its gradients carry at the report (the other
+            fields are of the last measured step's gradients).
         histogram: Its exponent histogram, a list (bins of
             `gradient_statistics`).
         zeros: Its gradient's exact zeros, a count.
@@ -115,7 +123,12 @@ class LogRecord:
         zero_fraction: The fraction of all layers' gradient values that are
             exact zeros.
         clip_rate: Clipped steps per optimizer step since the report before.
-        measured_step: The step of the last measurement (-1: none).
+        measured_step: The optimizer's `total_steps` at its last measured
+            step (counted from 0, so a step measured just before a report at
+            step `s` is `s - 1`; -1: none): the step of `grad_norm`,
+            `underflow`, `zero_fraction` and the layers' figures but `scale`.
+        new_measurement: Whether the measured figures are new since the
+            report before (False: the same measurement again).
         exponent_min: The exponent of the histograms' first bin.
         layers: `{layer name: LayerRecord}`.
         flags: `(kind, layer)` of each flag this report raised.
@@ -140,6 +153,7 @@ class LogRecord:
     zero_fraction: typing.Optional[float] = None
     clip_rate: typing.Optional[float] = None
     measured_step: int = -1
+    new_measurement: bool = True
     exponent_min: typing.Optional[int] = None
     layers: dict = dataclasses.field(default_factory=dict)
     flags: tuple = ()
@@ -153,7 +167,8 @@ class LogRecord:
 
         Args:
             reading: The optimizer's `read()`.
-            since: The `Counts` of the report before.
+            since: The `Counts` of the report before (its measurements tell
+                whether this one's are new).
             step: The step to record; None: the optimizer's count.
             epoch: The epoch to record.
             loss: The loss to record, or None.
@@ -177,7 +192,9 @@ class LogRecord:
             # Per optimizer step (with accumulation, per window).
             clip_rate=(reading.clipped_steps - since.clipped_steps)
             / max(reading.total_steps - since.total_steps, 1),
-            measured_step=reading.measured_step, exponent_min=stats.EXPONENT_MIN,
+            measured_step=reading.measured_step,
+            new_measurement=reading.measurements > since.measurements,
+            exponent_min=stats.EXPONENT_MIN,
             layers=layers,
         )
 
@@ -232,19 +249,42 @@ def _global_scale(data):
 
 # The keys `tas.ScaleMonitor` puts in `logs` by default: Keras's progress bar
 # prints every key of `logs`, so the rest go to `History`, TensorBoard and
-# the JSON lines only (`per_layer_logs=True` puts them all in `logs`).
+# the JSON lines only (`per_layer_logs=True` puts them all in `logs`). Both
+# are read at the report: nothing measured.
 PROGRESS_KEYS = ("scale/loss_scale", "scale/skipped_steps")
+# The figures of a layer read at the report; its others are measured.
+CURRENT_LAYER_FIELDS = ("scale",)
+MEASURED_TOTALS = ("scale/grad_norm", "scale/underflow", "scale/zero_fraction")
 
 
-def scalars(record, per_layer):
+def measured(key):
+    """Whether a key of `scalars` is a figure of the last measured step."""
+    if key.startswith("layer/"):
+        return key.rsplit("/", 1)[1] not in CURRENT_LAYER_FIELDS
+    return key in MEASURED_TOTALS
+
+
+def scalars(record, per_layer, fresh=True):
     """The keys of a record (`scale/...`; with `per_layer`, also
-    `layer/<name>/<field>` of its scalar fields)."""
+    `layer/<name>/<field>` of its scalar fields).
+
+    Args:
+        record: A `LogRecord`.
+        per_layer: Whether to give the per-layer keys too.
+        fresh: Whether its measured figures (`measured`) are news where
+            the keys go; if not, they are NaN: a report without a new
+            measurement shows no old figure as current.
+
+    Returns:
+        `{key: value}`.
+    """
     keys = {
         "scale/loss_scale": record.loss_scale,
         "scale/skipped_steps": record.skipped_steps,
         "scale/skipped_since_last": record.skipped_since_last,
         "scale/grad_norm": record.grad_norm,
         "scale/clip_rate": record.clip_rate,
+        "scale/measured_step": record.measured_step,
     }
     keys.update({f"scale/{name}": value for name, value in (
         ("underflow", record.underflow), ("zero_fraction", record.zero_fraction))
@@ -253,7 +293,9 @@ def scalars(record, per_layer):
         for name, layer in record.layers.items():
             for key, value in layer.scalars().items():
                 keys[f"layer/{name}/{key}"] = value
-    return keys
+    if fresh:
+        return keys
+    return {key: math.nan if measured(key) else value for key, value in keys.items()}
 
 
 def append(log_dir, record):
@@ -283,13 +325,16 @@ def read_lines(path):
 
 def summary(record, flags):
     """The end-of-training text: the last record's scales, skipped steps and
-    gradient norm, and the flags' messages."""
+    gradient norm (with the step it was measured at), and the flags'
+    messages."""
     if record is None:
         return "ScaleMonitor: nothing recorded."
+    gradient = (f"gradient norm {record.grad_norm:.3g}, measured at step {record.measured_step}"
+                if record.measured_step >= 0 else "no gradient measured yet")
     lines = [
         f"ScaleMonitor summary at step {record.step}: loss scale "
-        f"2**{math.log2(record.loss_scale):g}, {record.skipped_steps} skipped steps, "
-        f"gradient norm {record.grad_norm:.3g}."
+        f"2**{math.log2(record.loss_scale):g}, {record.skipped_steps} skipped steps; "
+        f"{gradient}."
     ]
     if len({layer.scale for layer in record.layers.values()}) > 1:
         lines.append("Layer scales: " + ", ".join(

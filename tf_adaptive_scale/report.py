@@ -16,6 +16,11 @@ hidden under another), over a step axis from the first report's stretch of
 training to the last report, so that a single report still spans the steps
 it stands for; few reports get their values written in. What there is
 nothing to draw for (no step skipped, no loss recorded) is said in words.
+
+The figures of the optimizer's measured steps (gradient norms, exponent
+histograms) are drawn once per measurement, at the step it was measured
+(`measured_step`), not again at each report that carried it; their titles
+count measurements and name their steps.
 """
 
 import argparse
@@ -61,10 +66,11 @@ def plot_report(source, out_dir):
 
     `scales.png` (log2 of each layer's scale and of the global loss scale,
     a row per layer), `gradient_norms.png` (a heatmap of the layers'
-    gradient norms), `histograms.png` (each layer's last gradient exponents,
-    shifted by its scale, against float16's range; flagged layers' titles in
-    red) and `loss_and_skips.png` (the loss, skipped steps, a dotted line at
-    each flag). Each PNG stores its title in its metadata, under "Title".
+    gradient norms, a column per measurement), `histograms.png` (each
+    layer's last measured gradient exponents, shifted by its scale, against
+    float16's range; flagged layers' titles in red) and
+    `loss_and_skips.png` (the loss, skipped steps, a dotted line at each
+    flag). Each PNG stores its title in its metadata, under "Title".
     The layers drawn are those the log names: the monitor logs the layers
     with weights (per layer, `tas.instrument` also scales the gradients
     passing through layers without weights; they are not logged).
@@ -164,27 +170,34 @@ def _last_run(records, path="the log"):
 
 
 def _from_records(records):
-    """Columns of a JSON-lines log (its dicts): one value per report."""
+    """Columns of a JSON-lines log (its dicts): one value per report, and
+    the measured figures one per measurement (a log that does not tell
+    its measured steps, another writer's: one per report)."""
+    stepped = any("measured_step" in r for r in records)
     records = [monitor_log.LogRecord.from_json(r) for r in records]
     names = list(dict.fromkeys(n for r in records for n in r.layers))
-    layers = {
-        name: {
-            metric: _column([getattr(r.layers.get(name), metric, None) for r in records])
-            for metric in ("grad_norm", "scale")
-        }
-        for name in names
-    }
-    histograms = {}  # Each layer's last histogram, as (exponents, counts, step).
+    layers = {name: {"scale": _column([getattr(r.layers.get(name), "scale", None)
+                                       for r in records])}
+              for name in names}
+    measured = records
+    if stepped:  # the first report of each measurement (the next ones repeat it)
+        measured = [r for i, r in enumerate(records) if r.measured_step >= 0
+                    and (i == 0 or r.measured_step != records[i - 1].measured_step)]
+    histograms = {}  # Each layer's last histogram, as (exponents, counts, step measured).
     for record in records:
         for name, layer in record.layers.items():
-            if layer.histogram is not None:
+            if layer.histogram is not None and (record.measured_step >= 0 or not stepped):
                 counts = np.asarray(layer.histogram, dtype=float)
                 shift = record.exponent_min + np.log2(layer.scale)
-                histograms[name] = (np.arange(len(counts)) + shift, counts, record.step)
+                histograms[name] = (np.arange(len(counts)) + shift, counts,
+                                    record.measured_step if stepped else record.step)
     from_fit = {r.from_fit for r in records}
     return {
         "step_label": "step",
         "steps": np.array([r.step for r in records]),
+        "measured_steps": np.array([r.measured_step for r in measured]) if stepped else None,
+        "grad_norms": {name: _column([getattr(r.layers.get(name), "grad_norm", None)
+                                      for r in measured]) for name in names},
         # The mean loss since the report before (other reports: the loss
         # given, in `fit` Keras's running epoch mean, which jumps at every epoch).
         "loss": _column([r.interval_loss if r.from_fit else r.loss for r in records]),
@@ -218,6 +231,8 @@ def _from_history(history):
     return {
         "step_label": "epoch",
         "steps": np.arange(1, epochs + 1),  # Keras counts epochs from 1
+        "measured_steps": None,  # one value per epoch, NaN where none was measured
+        "grad_norms": {name: column(f"layer/{name}/grad_norm") for name in names},
         "loss": column("loss"),
         "loss_label": "loss (epoch mean)",
         "global_scale": True,
@@ -226,10 +241,7 @@ def _from_history(history):
         "skipped_since_last": np.diff(skipped, prepend=0.0),
         "skipped_at": [],
         "flags": [],
-        "layers": {
-            name: {m: column(f"layer/{name}/{m}") for m in ("grad_norm", "scale")}
-            for name in names
-        },
+        "layers": {name: {"scale": column(f"layer/{name}/scale")} for name in names},
         "histograms": {},
     }
 
@@ -258,6 +270,33 @@ def _x_axis(run):
     if steps[0] > 0:
         start = max(start, 0.0)
     return steps, np.concatenate([[start], steps]), run["step_label"]
+
+
+def _measured_axis(run):
+    """As `_x_axis`, for the measured figures: each measurement at its step,
+    drawn until the next (the last, until the last report); without
+    measured steps, `_x_axis`."""
+    if run["measured_steps"] is None:
+        return _x_axis(run)
+    steps = run["measured_steps"].astype(float)
+    end = max(float(run["steps"][-1]), steps[-1] + 1.0)
+    return steps, np.concatenate([steps, [end]]), "measured step"
+
+
+def _measured_span(run):
+    """What the measured figures' x axis covers, in words: how many
+    measurements, at which steps (their pictures' subtitle)."""
+    if run["measured_steps"] is None:
+        if run["step_label"] != "epoch":
+            return _span(run)
+        known = np.isfinite(np.array(list(run["grad_norms"].values()))).any(axis=0)
+        return f"{_span(run)}; {int(known.sum())} with a measurement"
+    steps, edges, _ = _measured_axis(run)
+    if len(steps) == 1:
+        return (f"one measurement, at step {int(steps[0])} "
+                f"(drawn until the last report, step {edges[-1]:g})")
+    return (f"{len(steps)} measurements, steps {int(steps[0])} to {int(steps[-1])} "
+            f"(each drawn until the next; the last, until step {edges[-1]:g})")
 
 
 def _span(run):
@@ -361,22 +400,25 @@ def _draw_scales(fig, run):
 def _draw_gradient_norms(fig, run):
     from matplotlib import colormaps
 
-    names = list(run["layers"])
+    names = list(run["grad_norms"])
     fig.set_figheight(_row_height(len(names)))
-    norms = np.array([run["layers"][name]["grad_norm"] for name in names])
     ax = fig.subplots()
-    ax.set_title(_span(run), fontsize="small")
+    if run["measured_steps"] is not None and not run["measured_steps"].size:
+        _say(ax, "Nothing to draw: the log holds no measurement.")
+        return
+    norms = np.array([run["grad_norms"][name] for name in names])
+    ax.set_title(_measured_span(run), fontsize="small")
     if not (norms > 0).any():
         _say(ax, "Nothing to draw: the log holds no gradient norm above zero.")
         return
     with np.errstate(divide="ignore"):
         logs = np.log10(norms)
     logs[np.isneginf(logs)] = logs[np.isfinite(logs)].min()  # zero: the darkest
-    logs = np.ma.masked_invalid(logs)  # not reported: white
-    _, edges, label = _x_axis(run)
+    logs = np.ma.masked_invalid(logs)  # not measured: white
+    _, edges, label = _measured_axis(run)
     mesh = ax.pcolormesh(edges, np.arange(len(names) + 1), logs,
                          cmap=colormaps["viridis"].with_extremes(bad="white"))
-    if len(run["steps"]) <= WRITTEN_POINTS:
+    if norms.shape[1] <= WRITTEN_POINTS:
         for row, column in np.ndindex(norms.shape):
             norm = norms[row, column]
             if np.isfinite(norm):
@@ -423,8 +465,10 @@ def _draw_histograms(fig, run):
         ax.set_axis_off()
     axes[0].legend(fontsize="x-small", loc="upper left")
     steps = sorted({int(run["histograms"][name][2]) for name in names})
-    note = (f"each layer at the last report, step {steps[0]}" if len(steps) == 1
-            else f"each layer at its last report (steps {steps[0]} to {steps[-1]})")
+    # A log that does not tell its measured steps tells its reports'.
+    at = "report" if run["measured_steps"] is None else "measurement"
+    note = (f"each layer at the last {at}, step {steps[0]}" if len(steps) == 1
+            else f"each layer at its last {at} (steps {steps[0]} to {steps[-1]})")
     if rest:
         note += f"; {len(rest)} more not shown: " + ", ".join(rest)
     fig.supxlabel(textwrap.fill(note, 30 * ncols), fontsize="small")
@@ -488,7 +532,7 @@ def _draw_loss_and_skips(fig, run):
 PICTURES = (
     ("scales.png", "Loss scale per layer", _draw_scales, lambda run: True),
     ("gradient_norms.png", "Gradient norm per layer", _draw_gradient_norms,
-     lambda run: run["layers"]),
+     lambda run: run["grad_norms"]),
     ("histograms.png", "Gradient exponents vs float16 range", _draw_histograms,
      lambda run: run["histograms"]),
     ("loss_and_skips.png", "Loss and skipped steps", _draw_loss_and_skips,
