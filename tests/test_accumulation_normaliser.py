@@ -145,6 +145,19 @@ def test_a_loss_function_that_masks_its_values_weighs_by_its_valid_values(k):
 
 
 @pytest.mark.parametrize("k", [2, 4])
+def test_keras_sparse_crossentropy_function_with_ignore_class_weighs_by_its_valid_values(k):
+    """`keras.losses.sparse_categorical_crossentropy(..., ignore_class=0)`
+    as a loss function: Keras reduces it as the class's."""
+    model, loss, x, y, _ = ignore_class_problem()
+    start = model.get_weights()
+    reference = reference_update(model, loss, x, y, None)
+    model.set_weights(start)
+    update, _ = step_update(model, lambda t, p: keras.losses.sparse_categorical_crossentropy(
+        t, p, from_logits=True, ignore_class=0), x, y, None, k)
+    assert relative_error(update, reference) < 1e-5
+
+
+@pytest.mark.parametrize("k", [2, 4])
 def test_per_layer_a_loss_that_masks_its_values_weighs_by_its_valid_values(k):
     model, loss, x, y, w = ignore_class_problem()
     check(model, loss, x, y, w, k, per_layer=True)
