@@ -206,9 +206,11 @@ def _is_tall(tensor, size):
     """Whether `tensor` is a dense gradient with more rows than a sample of
     `size` values reads (an embedding table's, say): the sample can miss
     every row that holds gradient."""
+    # A sparse one's `shape` is not read: its `dense_shape` may be a tuple.
+    if size is None or sparse.is_sparse(tensor):
+        return False
     shape = tuple(tensor.shape)
-    return (size is not None and not sparse.is_sparse(tensor) and len(shape) >= 2
-            and None not in shape and shape[0] > size)
+    return len(shape) >= 2 and None not in shape and shape[0] > size
 
 
 def _top_rows(tensor, size):
