@@ -56,6 +56,47 @@ def test_grouped_statistics_match_numpy_per_group(log2_scale):
         assert float(got.squares[group]) == pytest.approx(np.sum(finite**2), rel=1e-5)
 
 
+@pytest.mark.parametrize("sample", [None, stats.VARIABLE_SAMPLE])
+@pytest.mark.parametrize("grouping", ["each", "mixed"])
+@pytest.mark.parametrize("count", [11, 19])
+def test_every_small_tensor_is_binned_past_the_last_full_chunk(count, grouping, sample):
+    """Small tensors are binned `_FUSED_OPERANDS` (8) at a time: with 11 or
+    19 of them the last chunk is partial, and its tensors' histograms,
+    zeros, non-finite counts and squared norms are numpy's (float64), group
+    by group, as the full chunks' are (none is over the sample: all exact)."""
+    rng = np.random.default_rng(count)
+    tensors = []
+    for i in range(count):
+        size = int(rng.integers(1, 600))
+        t = rng.standard_normal(size) * 2.0 ** rng.integers(-40, 8, size)
+        t[rng.random(size) < 0.2] = 0.0
+        if i % 4 == 3:
+            t[0] = np.inf
+        tensors.append(t.astype("float16" if i % 5 == 4 else "float32"))
+    groups = list(range(count)) if grouping == "each" else [i % 3 for i in range(count)]
+    num_groups = max(groups) + 1
+    got = stats.grouped_statistics(
+        [ops.array(t) for t in tensors], groups, num_groups, sample=sample)
+    assert count % stats._FUSED_OPERANDS and all(t.size < stats._SMALL for t in tensors)
+    for group in range(num_groups):
+        values = np.concatenate(
+            [t.astype(np.float64) for t, g in zip(tensors, groups) if g == group])
+        finite = values[np.isfinite(values)]
+        histogram, peak = numpy_histogram(values)
+        np.testing.assert_array_equal(np.asarray(got.histograms[group]), histogram)
+        assert float(got.zeros[group]) == np.sum(values == 0)
+        assert float(got.squares[group]) == pytest.approx(np.sum(finite**2), rel=1e-5)
+        members = [t.astype(np.float64) for t, g in zip(tensors, groups) if g == group]
+        if sample is None:
+            assert float(got.non_finite[group]) == np.sum(~np.isfinite(values))
+            assert float(got.max_abs[group]) == pytest.approx(peak)
+        else:  # sampled: the tensors holding one, and the peak of the others
+            assert float(got.non_finite[group]) == sum(
+                not np.all(np.isfinite(t)) for t in members)
+            assert float(got.max_abs[group]) == pytest.approx(max(
+                [np.max(np.abs(t)) for t in members if np.all(np.isfinite(t))], default=0.0))
+
+
 def test_grouped_norms_of_a_large_tensor_are_accurate_under_xla():
     """A million values: the squared norm to 1e-5 of float64's (a segment
     sum over all values, a sequential scatter, was 5e-4 off) and the peak

@@ -148,21 +148,31 @@ def test_the_recorded_norm_of_a_2048_to_5_head(float16_policy):
     assert recorded == pytest.approx(exact, rel=0.1)
 
 
-def sparse_rows_gradient(rows=50_000, width=16, used=20, seed=0):
-    """A dense embedding-table gradient (as Keras on JAX gives): rows 1 to
-    `used` of `rows` hold values, the rest are zero."""
+def sparse_rows_gradient(rows=50_000, width=16, used=range(1, 21), seed=0):
+    """A dense gradient whose `used` rows of `rows` hold values, the rest
+    zero: an embedding table's (as Keras on JAX gives), a multi-hot input's
+    kernel."""
     rng = np.random.default_rng(seed)
     gradient = np.zeros((rows, width), "float32")
-    gradient[1 : used + 1] = rng.standard_normal((used, width)).astype("float32") * 1e-3
+    gradient[list(used)] = rng.standard_normal((len(used), width)).astype("float32") * 1e-3
     return gradient
 
 
-def test_a_dense_table_whose_used_rows_the_strided_sample_misses():
-    """The strided sample reads about one value in each of 2048 rows of a
-    50,000-row table: the 20 rows a batch used read as all zero (norm 0,
-    the whole table underflowed). The norm and zeros are exact, and the
-    histogram is of the rows holding the largest values."""
-    gradient = sparse_rows_gradient()
+# Rows of a (1000, 3) kernel that its sample (stride 7) does not read.
+UNREAD_ROWS = [r for r in range(1000) if r % 7 in (1, 3, 5, 6)][:24]
+
+
+@pytest.mark.parametrize("rows, width, used", [
+    (50_000, 16, range(1, 21)),  # more rows than the sample reads
+    (1000, 3, UNREAD_ROWS),  # rows shorter than its stride
+], ids=["table", "narrow_kernel"])
+def test_a_dense_gradient_whose_used_rows_the_strided_sample_misses(rows, width, used):
+    """The strided sample reads no used row (about one value in each of
+    2048 rows of a 50,000-row table; 3 rows in 7 of a (1000, 3) kernel,
+    whose stride of 7 outruns its rows): alone, it read the gradient as all
+    zero (norm 0, the whole gradient underflowed). The norm and zeros are
+    exact, and the histogram is of the rows holding the largest values."""
+    gradient = sparse_rows_gradient(rows, width, used)
     strided, _ = stats._strided_sample(ops.reshape(ops.array(gradient), (-1,)),
                                        stats.VARIABLE_SAMPLE)
     assert not np.any(np.asarray(strided))  # what the sample alone saw
@@ -170,7 +180,126 @@ def test_a_dense_table_whose_used_rows_the_strided_sample_misses():
     sampled = stats.grouped_statistics([ops.array(gradient)], [0], 1,
                                        sample=stats.VARIABLE_SAMPLE)
     assert float(sampled.squares[0]) == pytest.approx(float(exact.squares[0]), rel=1e-5)
-    assert float(sampled.zeros[0]) == float(exact.zeros[0]) == gradient.size - 20 * 16
+    assert float(sampled.zeros[0]) == float(exact.zeros[0]) == gradient.size - len(used) * width
     np.testing.assert_allclose(np.asarray(sampled.histograms[0]),
                                np.asarray(exact.histograms[0]), atol=1e-3)
     assert float(sampled.max_abs[0]) == float(exact.max_abs[0])
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (2048, 37), (4096,)])
+def test_the_row_fallback_serves_only_shapes_whose_sample_skips_rows(shape):
+    """Against the rows the strided sample reads, counted here: the row
+    fallback (a kernel or more per variable) is taken where a row is left
+    unread, and only there (a (64, 64) kernel's sample reads every row)."""
+    size = int(np.prod(shape))
+    index = np.asarray(stats._strided_sample(ops.arange(size), stats.VARIABLE_SAMPLE)[0])
+    width = size // shape[0]
+    every_row = len(np.unique(index // width)) == shape[0]
+    assert stats._skips_rows(ops.zeros(shape), stats.VARIABLE_SAMPLE) is (
+        len(shape) >= 2 and not every_row)
+    assert stats._skips_rows(ops.zeros((1000, 3)), stats.VARIABLE_SAMPLE)
+
+
+def unread_gradient(seed=0):
+    """A (64, 64) kernel gradient (its sample, stride 3, reads every row
+    and column) whose nonzero values lie where the sample does not read."""
+    rng = np.random.default_rng(seed)
+    gradient = np.zeros(64 * 64, "float32")
+    where = rng.choice(np.flatnonzero(np.arange(64 * 64) % 3 != 0), 40, replace=False)
+    gradient[where] = rng.standard_normal(40).astype("float32") * 2.0**-6
+    return gradient.reshape(64, 64)
+
+
+def test_a_gradient_whose_sample_saw_nothing_is_unmeasured_not_zero():
+    """No fallback reads it (its sample reads every row): its statistics say
+    it is unmeasured (NaN squares), alone or among others, not zero; its
+    peak stays exact."""
+    gradient = unread_gradient()
+    assert not stats._skips_rows(ops.array(gradient), stats.VARIABLE_SAMPLE)
+    strided, _ = stats._strided_sample(ops.reshape(ops.array(gradient), (-1,)),
+                                       stats.VARIABLE_SAMPLE)
+    assert not np.any(np.asarray(strided))
+    seen = np.full((64, 64), 1e-3, "float32")
+    got = stats.grouped_statistics([ops.array(gradient), ops.array(seen)], [0, 1], 2,
+                                   sample=stats.VARIABLE_SAMPLE)
+    assert np.isnan(float(got.squares[0])) and np.isnan(float(got.total().squares))
+    assert float(got.max_abs[0]) == np.max(np.abs(gradient))
+    assert float(got.squares[1]) == pytest.approx(np.sum(seen.astype(np.float64) ** 2), rel=1e-4)
+    exact = stats.grouped_statistics([ops.array(gradient)], [0], 1)
+    assert float(exact.squares[0]) == pytest.approx(np.sum(gradient.astype(np.float64) ** 2))
+
+
+def test_the_global_scale_is_set_from_the_peak_where_the_sample_saw_nothing():
+    """The adaptive rule reads the exact peak where the histogram is empty:
+    the first measured step is applied and sets the scale `headroom` below
+    float16's maximum over the peak (it searched blind before: skipped,
+    and 2**8 higher). The reading leaves the unmeasured layer out."""
+    gradient = unread_gradient()
+    variable = keras.Variable(np.zeros((64, 64), "float32"), name="kernel")
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1.0), scaling="adaptive")
+    import tensorflow as tf
+
+    @tf.function(jit_compile=True)
+    def step(grad):
+        optimizer.apply([grad], [variable])
+
+    step(tf.constant(gradient * optimizer.initial_scale))
+    peak = float(np.max(np.abs(gradient)))
+    expected = 2.0 ** (np.floor(np.log2(65504.0 / peak)) - np.log2(optimizer.headroom))
+    assert int(optimizer.skipped_steps) == 0
+    np.testing.assert_allclose(variable.numpy(), -gradient, rtol=1e-6)
+    assert float(optimizer.loss_scale) == expected
+    reading = optimizer.read()
+    assert reading.layers == {} and np.isnan(reading.gradient_norm)
+
+
+def test_a_multi_hot_kernel_the_sample_misses_is_measured_in_fit(float16_policy):
+    """Issue 42's report: `fit` with a `ScaleMonitor` on a bias-free
+    `Dense(3)` over multi-hot inputs, whose (1000, 3) kernel gradient lies
+    in rows its sample does not read. Each report's gradient norm is within
+    10% of float32's (from the same weights and batch, computed apart), no
+    layer is flagged `never_updates`, and no step is skipped (the scale
+    searched blind: 2**15, 2**23, 2**-16, two skips)."""
+    rng = np.random.default_rng(0)
+    x = np.zeros((64, 1000), "float32")
+    for row in x:
+        row[rng.choice(UNREAD_ROWS, 3, replace=False)] = 1.0
+    y = rng.standard_normal((64, 3)).astype("float32")
+    model = keras.Sequential([keras.Input((1000,)),
+                              keras.layers.Dense(3, use_bias=False, name="multi_hot")])
+    model.compile(tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(0.1)), "mse",
+                  jit_compile=True)
+    kernels = []  # the kernel before each step
+    before = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: kernels.append(model.get_weights()[0]))
+    monitor = tas.ScaleMonitor(every_n_steps=1, verbose=0)
+    model.fit(x, y, batch_size=64, epochs=8, callbacks=[before, monitor], verbose=0)
+    import tensorflow as tf
+
+    twin = keras.Sequential([keras.Input((1000,)),
+                             keras.layers.Dense(3, use_bias=False, dtype="float32")])
+    assert len(monitor.records) == 8
+    for record in monitor.records:
+        twin.set_weights([kernels[record["measured_step"]]])
+        with tf.GradientTape() as tape:
+            loss = keras.losses.mean_squared_error(y, twin(x))
+            loss = tf.reduce_mean(loss)
+        reference = float(tf.norm(tape.gradient(loss, twin.trainable_variables[0])))
+        assert record["layers"]["multi_hot"]["grad_norm"] == pytest.approx(reference, rel=0.1)
+        assert record["layers"]["multi_hot"]["zero_fraction"] == pytest.approx(1 - 72 / 3000)
+        assert record["skipped_steps"] == 0
+    assert not [f for f in monitor.flags if f["kind"] == "never_updates"]
+
+
+def test_a_gradient_of_values_whose_squares_underflow_is_not_recorded_as_zero():
+    """Values below 2**-75 have float32 squares of 0: the norm, whose zero
+    means an exactly zero gradient (`never_updates`), is then their exact
+    peak, its lower bound, not 0."""
+    gradient = np.full((4, 8), 2.0**-80, "float32")
+    gradient[1, 2] = 2.0**-78
+    variable = keras.Variable(np.zeros((4, 8), "float32"))
+    optimizer = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(1.0), scaling="none")
+    optimizer.apply([ops.array(gradient)], [variable])
+    norm = float(optimizer.variable_gradient_norms.numpy()[0])
+    assert norm == 2.0**-78 <= np.linalg.norm(gradient.astype(np.float64))
+    assert float(optimizer.gradient_norm) == norm

@@ -146,6 +146,9 @@ def largest_norm(record):
 # `LayerRecord`, the record's largest norm and the settings: True counts,
 # False resets, None (not judged) keeps the count.
 CONDITIONS = {
+    # Exact: a measured norm is 0 only where the gradient's exact peak is
+    # (a layer whose sample saw none of its nonzero values is unmeasured,
+    # not reported: `measurement.layers`).
     "zero": lambda layer, largest, settings: layer.grad_norm == 0.0,
     "small": lambda layer, largest, settings: (
         layer.grad_norm < settings.vanishing_ratio * largest if layer.grad_norm > 0 else None),

@@ -147,7 +147,13 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
             its share of the tensor, at a cost that does not grow with it.
             The peaks take one exact pass, which also finds non-finite
             values: a tensor holding one has the peak 0 (its step is
-            skipped), and `non_finite` counts the tensors holding one.
+            skipped), and `non_finite` counts the tensors holding one. A
+            tensor whose sample skips rows (see `_skips_rows`) has its
+            zeros and squares exact, and its histogram from the rows
+            holding its largest values where the sample saw no nonzero
+            value. A group whose samples saw no nonzero value (none whose
+            float32 square is not 0) though its exact peak is not 0 is
+            unmeasured: its `squares` are NaN.
 
     Returns:
         A `GroupStatistics` of float32 tensors: `histograms`
@@ -155,8 +161,8 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         `squares`, `(num_groups,)`; zero for an empty group.
     """
     flat = _flat_values(tensors)
-    counts = _per_group(ops.segment_sum, _counts(tensors, flat, log2_scale, sample),
-                        groups, num_groups)
+    counts, partial = _counts(tensors, flat, log2_scale, sample)
+    counts = _per_group(ops.segment_sum, counts, groups, num_groups)
     non_finite = counts[:, _NON_FINITE_BIN]
     if sample is None:
         peaks = _per_group(ops.segment_max, [ops.max(_of_finite(ops.abs, f)) for f in flat],
@@ -165,10 +171,12 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
         # Whether each holds one, exactly, from the peak pass alone: what
         # the finite check reads needs no sample.
         peaks, non_finite = peaks_and_non_finite(tensors, groups, num_groups)
+    # An empty group's segment max is the lowest float: no peak is 0.
+    peaks = ops.maximum(peaks, 0.0)
+    counts = _unseen_unmeasured(counts, peaks, groups, num_groups, partial)
     return GroupStatistics(
         histograms=counts[:, :NUM_BINS],
-        # An empty group's segment max is the lowest float: no peak is 0.
-        max_abs=ops.maximum(peaks, 0.0) * pow2(-log2_scale),
+        max_abs=peaks * pow2(-log2_scale),
         zeros=counts[:, _ZERO_BIN],
         non_finite=non_finite,
         squares=counts[:, _SQUARES],
@@ -176,39 +184,70 @@ def grouped_statistics(tensors, groups, num_groups, log2_scale=0.0, sample=None)
     )
 
 
+def _unseen_unmeasured(counts, peaks, groups, num_groups, partial):
+    """`counts` (a row per group) with NaN squares where the samples (of
+    the tensors `partial` marks) saw no nonzero value of a group whose
+    exact peak is not 0: nothing of it but its peak is known.
+
+    Read from the squares, which a sample's nonzero values make positive
+    (but values below 2**-75, whose float32 squares are 0): a sum over
+    each histogram would cost a reduction, a kernel of its own."""
+    sampled = np.zeros(num_groups, bool)
+    sampled[np.asarray(groups, int)[partial]] = True
+    if not sampled.any():
+        return counts
+    unseen = ops.logical_and(ops.logical_and(sampled, peaks > 0), counts[:, _SQUARES] == 0)
+    column = np.arange(counts.shape[1]) == _SQUARES
+    return ops.where(ops.logical_and(unseen[:, None], column), np.nan, counts)
+
+
 def _counts(tensors, flat, log2_scale, sample):
     """Each tensor's counts (`_counts_per_tensor`'s columns), from its sample
-    (`sample`: None, all its values) scaled to its size."""
+    (`sample`: None, all its values) scaled to its size; and per tensor
+    whether its sample leaves values out (a numpy bool vector)."""
     sampled = [_strided_sample(f, sample) for f in flat]
-    tall = [i for i, t in enumerate(tensors) if _is_tall(t, sample)]
-    # A tall tensor's rows outnumber the sample: a second sample from the
-    # rows holding its largest values, counted in rows after the others'.
-    sampled += [_strided_sample(_top_rows(tensors[i], sample), sample) for i in tall]
+    skipping = [i for i, t in enumerate(tensors) if _skips_rows(t, sample)]
+    # Where the sample skips rows: a second sample from the rows holding
+    # its largest values, counted in rows after the others'.
+    sampled += [_strided_sample(_top_rows(tensors[i], sample), sample) for i in skipping]
     counts = _counts_per_tensor([f for f, _ in sampled], log2_scale)
     weights = np.array([weight for _, weight in sampled], "float32")
     counts = counts * weights[:, None]
-    if tall:
-        counts = _with_tall_rows(counts, tensors, tall)
+    partial = weights[: len(tensors)] != 1.0
+    if skipping:
+        counts = _with_top_rows(counts, tensors, skipping)
     exact = [i for i, (t, (_, weight)) in enumerate(zip(tensors, sampled))
              if weight == 1.0 and sparse.is_sparse(t)]
     if not exact:
-        return counts
+        return counts, partial
     # Every row: a sparse gradient's norm is of its rows summed.
     summed = [ops.reshape(sparse.values(sparse.summed(tensors[i])), (-1,)) for i in exact]
     squares = ops.scatter_update(
         counts[:, _SQUARES], [[i] for i in exact],
         ops.stack([ops.sum(_of_finite(ops.square, s)) for s in summed]),
     )
-    return ops.concatenate([counts[:, :_SQUARES], squares[:, None]], axis=1)
+    return ops.concatenate([counts[:, :_SQUARES], squares[:, None]], axis=1), partial
 
 
-def _is_tall(tensor, size):
-    """Whether `tensor` is a dense gradient with more rows than a sample of
-    `size` values reads (an embedding table's, say): the sample can miss
-    every row that holds gradient."""
+def _skips_rows(tensor, size):
+    """Whether `tensor` is a dense gradient of static shape whose strided
+    sample of `size` values does not read each of its rows: rows that
+    outnumber the sample (an embedding table's), or shorter than the
+    stride (a (1000, 3) kernel's, stride 7, reads 3 rows in 7). The
+    sample can miss every row that holds gradient (a multi-hot input's
+    kernel, an embedding's)."""
+    # A sparse one's `shape` is not read: its `dense_shape` may be a tuple.
+    if size is None or sparse.is_sparse(tensor):
+        return False
     shape = tuple(tensor.shape)
-    return (size is not None and not sparse.is_sparse(tensor) and len(shape) >= 2
-            and None not in shape and shape[0] > size)
+    if len(shape) < 2 or None in shape:
+        return False
+    n = int(np.prod(shape))
+    if n <= size:
+        return False
+    stride, width = _stride(n, size), n // shape[0]
+    # Any `width` consecutive values hold a multiple of a stride <= width.
+    return stride > width and len(np.unique(np.arange(0, n, stride) // width)) < shape[0]
 
 
 def _top_rows(tensor, size):
@@ -222,14 +261,15 @@ def _top_rows(tensor, size):
     return ops.reshape(ops.take(matrix, index, axis=0), (-1,))
 
 
-def _with_tall_rows(counts, tensors, tall):
-    """`counts` (a row per tensor, then one per tall tensor's top rows) with
-    each tall tensor's zeros, non-finite count and squares exact (one
-    reduction over it), and its histogram that of its strided sample, or of
-    its top rows where the strided one saw no nonzero value, scaled to its
-    exact number of nonzero finite values; the top rows' rows dropped."""
+def _with_top_rows(counts, tensors, skipping):
+    """`counts` (a row per tensor, then one per `skipping` tensor's top rows)
+    with each `skipping` tensor's zeros, non-finite count and squares exact
+    (one reduction over it), and its histogram that of its strided sample,
+    or of its top rows where the strided one saw no nonzero value, scaled
+    to its exact number of nonzero finite values; the top rows' rows
+    dropped."""
     fixed = []
-    for j, i in enumerate(tall):
+    for j, i in enumerate(skipping):
         values = ops.cast(tensors[i], "float32")
         finite = ops.isfinite(values)
         exact = ops.stack([
@@ -242,7 +282,8 @@ def _with_tall_rows(counts, tensors, tall):
         nonzero = float(np.prod(tensors[i].shape)) - exact[0] - exact[1]
         histogram = histogram * nonzero / ops.maximum(ops.sum(histogram), 1.0)
         fixed.append(ops.concatenate([histogram, exact]))
-    rows = [tall.index(i) + len(tensors) if i in tall else i for i in range(len(tensors))]
+    rows = [skipping.index(i) + len(tensors) if i in skipping else i
+            for i in range(len(tensors))]
     return ops.take(ops.concatenate([counts[: len(tensors)], ops.stack(fixed)]), rows, axis=0)
 
 
@@ -253,15 +294,21 @@ def _strided_sample(flat, size):
     n = flat.shape[0]
     if size is None or n is None or n <= size:
         return flat, 1.0
-    # A prime stride that does not divide the length: every axis length of
-    # the gradient divides it, so the stride is coprime with each and the
-    # sample walks every column of a kernel (a round stride of 256 on a
-    # 1024-wide one reads 4 of them; a stride of 5 on a (2048, 5) head, one).
+    stride = _stride(n, size)
+    kept = -(-n // stride)
+    return flat[::stride], n / kept
+
+
+def _stride(n, size):
+    """The stride of a sample of at most `size` of `n` values: a prime that
+    does not divide `n`. Every axis length of the gradient divides `n`, so
+    the stride is coprime with each and the sample walks every column of a
+    kernel (a round stride of 256 on a 1024-wide one reads 4 of them; a
+    stride of 5 on a (2048, 5) head, one)."""
     stride = _next_prime(-(-n // size))
     while n % stride == 0:
         stride = _next_prime(stride + 1)
-    kept = -(-n // stride)
-    return flat[::stride], n / kept
+    return stride
 
 
 def _next_prime(n):

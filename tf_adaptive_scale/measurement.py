@@ -45,9 +45,10 @@ class Reading(NamedTuple):
         measurements: Measured steps so far.
         measured_step: `total_steps` of the last measured step (-1: none).
         gradient_norm: Global norm of the last measured unscaled gradients
-            (of a large gradient, estimated from its sample).
+            (of a large gradient, estimated from its sample; NaN where a
+            gradient went unmeasured, see `layers`).
         layers: `{layer name: LayerStatistics}` of the last measured step,
-            each layer's variables taken together.
+            each layer's variables taken together (`layers`).
     """
 
     loss_scale: float
@@ -136,7 +137,8 @@ class Measurement:
         if packed is not None:
             histogram = packed[: float16.NUM_BINS]
             zeros, max_abs = ops.unstack(packed[float16.NUM_BINS :])
-        norms = ops.sqrt(each.squares)
+        # NaN where unmeasured (`layers` leaves the layer out).
+        norms = _norm(each)
 
         def write(variable, value):
             value = ops.where(measured, value, variable.value)
@@ -151,7 +153,7 @@ class Measurement:
               _placed(self.variable_gradient_zeros.value, rows, each.zeros))
         latest = Latest(write(self.gradient_histogram, histogram),
                         write(self.gradient_zeros, zeros), write(self.gradient_max, max_abs))
-        write(self.gradient_norm, ops.sqrt(total.squares))
+        write(self.gradient_norm, _norm(total))
         write(self.scale_window, ops.stack(
             rule.bounds(histogram, max_abs)
         ))
@@ -182,8 +184,20 @@ class Latest(NamedTuple):
     max_abs: object
 
     def proposal(self, rule):
-        """`rule`'s exponent, and whether any value was nonzero."""
-        return rule.log2_scale(self.histogram, self.max_abs), ops.sum(self.histogram) > 0
+        """`rule`'s exponent, and whether any value was nonzero: counted, or
+        the exact peak (a sample can miss every nonzero value; the rule
+        then reads the peak alone)."""
+        seen = ops.logical_or(ops.sum(self.histogram) > 0, self.max_abs > 0)
+        return rule.log2_scale(self.histogram, self.max_abs), seen
+
+
+def _norm(statistics):
+    """The norms of `GroupStatistics`, 0 only where the exact peak is (and
+    NaN where its squares are: unmeasured): where the float32 squares of
+    tiny values (below 2**-75) all underflow, the peak, the norm's lower
+    bound, stands in."""
+    squares = statistics.squares
+    return ops.where(squares == 0, statistics.max_abs, ops.sqrt(squares))
 
 
 def _placed(old, rows, new):
@@ -209,24 +223,29 @@ def layers(scales, norms, histograms, zeros):
     Args:
         scales: Per variable, `(layer name, log2 scale)` or None (not
             measured: an instrumented model's own statistics).
-        norms: Per variable, its gradient norm.
+        norms: Per variable, its gradient norm (NaN: unmeasured, its sample
+            saw none of its nonzero values).
         histograms: Per variable, its exponent histogram.
         zeros: Per variable, its number of exact zeros.
 
     Returns:
-        `{layer name: LayerStatistics}`.
+        `{layer name: LayerStatistics}`, but for the layers holding an
+        unmeasured variable: nothing they would show is known.
     """
-    found = {}
+    found, unmeasured = {}, set()
     for scale, norm, histogram, zero in zip(scales, norms, histograms, zeros):
         if scale is None:
             continue
         name, log2_scale = scale
+        if math.isnan(norm):
+            unmeasured.add(name)
         # `norm` sums the squares until every variable is in.
         first = found.get(name, LayerStatistics(log2_scale, 0.0, 0.0, 0.0))
         found[name] = first._replace(norm=first.norm + float(norm) ** 2,
                                      histogram=first.histogram + histogram,
                                      zeros=first.zeros + float(zero))
-    return {name: entry._replace(norm=math.sqrt(entry.norm)) for name, entry in found.items()}
+    return {name: entry._replace(norm=math.sqrt(entry.norm))
+            for name, entry in found.items() if name not in unmeasured}
 
 
 def read(measured, loss_scale, total_steps, skipped_steps, loss_finite, clipped_steps,
