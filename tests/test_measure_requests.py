@@ -144,3 +144,49 @@ def test_a_call_takes_the_request_out_of_its_outputs_and_a_measuring_call_serves
     # Step 16 asks; step 17 measures anyway and serves it: 18 does not.
     assert calls[8:] == [False, False, True, False, True, False, False, False, False,
                          True, False]
+
+
+def output_gradients(model, x, y, factor):
+    """Per Dense layer of `mlp()`'s `model`, the |gradient| of the
+    loss (the mean squared error times `factor`) at its output, by hand in
+    float64 from its weights."""
+    (w1, b1), (w2, b2), (w3, b3) = (
+        [keras.ops.convert_to_numpy(v).astype("float64") for v in layer.weights]
+        for layer in model.layers)
+    h1 = np.maximum(x @ w1 + b1, 0.0)
+    h2 = np.maximum(h1 @ w2 + b2, 0.0)
+    g3 = 2.0 * (h2 @ w3 + b3 - y) / y.size * factor
+    g2 = g3 @ w3.T
+    g1 = (g2 * (h2 > 0)) @ w2.T
+    names = [layer.name for layer in model.layers]
+    return dict(zip(names, (np.abs(g) for g in (g1, g2, g3))))
+
+
+def test_after_a_shrink_no_unit_underflows_past_the_next_measurement(float16_policy):
+    """Sample weights of 2**-30 from step 40 (the loss times 2**-30): the
+    layers' gradients underflow float16 at their scales until the next
+    scheduled measurement (step 100), which sets every unit's scale at once."""
+    shrink = 2.0**-30
+    x, y = surge_data(factor=1.0)
+    weights = np.where(np.arange(len(x)) < SURGE_AT * BATCH, 1.0, shrink).astype("float32")
+    plain = mlp()
+    model = tas.instrument(plain)  # shares `plain`'s weights
+    model.compile(optimizer("per_layer"), "mse", jit_compile=True)
+    underflowed = {}
+
+    def check(epoch, logs):
+        if epoch in (60, 102):
+            batch = slice((epoch + 1) * BATCH, (epoch + 2) * BATCH)
+            gradients = output_gradients(plain, x[batch], y[batch], shrink)
+            scales = model.layer_scales()
+            # float16 rounds what lies below half its smallest subnormal to 0.
+            underflowed[epoch] = {name: float(np.mean(g[g > 0] * scales[name] < 2.0**-25))
+                                  for name, g in gradients.items()}
+
+    model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=103, steps_per_epoch=1,
+              shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=check)])
+    # Until then most of a layer's values underflow (none entirely: a plain
+    # step cannot see them, and asks nothing); 2 steps after it, none do.
+    assert max(underflowed[60].values()) > 0.5, underflowed
+    assert max(underflowed[102].values()) == 0.0, underflowed
