@@ -546,7 +546,8 @@ def main(argv=None):
         prog="python -m tf_adaptive_scale.report",
         description="Writes PNG pictures of a loss-scaling monitor log.",
     )
-    parser.add_argument("log", help=f"a JSON-lines monitor log, or a directory holding {monitor_log.FILE_NAME}")
+    parser.add_argument(
+        "log", help=f"a JSON-lines monitor log, or a directory holding {monitor_log.FILE_NAME}")
     parser.add_argument("--out", required=True, help="the directory to write the pictures to")
     args = parser.parse_args(argv)
     for path in plot_report(args.log, args.out):
