@@ -82,6 +82,8 @@ MOVEMENT = {"concatenate", "slice", "dynamic-slice", "dynamic-update-slice", "pa
 # Kinds of work, costliest first; the first five make a fusion theirs
 # wherever they sit in it.
 HEAVY = ("convolution", "dot", "scatter", "select-and-scatter", "sort", "reduce-window", "reduce")
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f64": 8,
+         "s64": 8, "u64": 8, "c64": 8}
 NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 
 
@@ -156,11 +158,21 @@ class Kernel:
         self.source = source.group(1) if source else ""
         self.category = None
 
+    def arrays(self):
+        """`(element type, element count)` of each array of its output."""
+        return [(dtype, int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+                for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", self.shape)]
+
     def elements(self):
         """The element count of the largest array of its output."""
-        counts = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                  for dims in re.findall(r"\[([\d,]*)\]", self.shape)]
-        return max(counts or [0])
+        return max([count for _, count in self.arrays()] or [0])
+
+    def bytes(self):
+        """The bytes it writes (its output's; a conditional's or loop's are
+        its thunks')."""
+        if self.opcode in CONTROL_FLOW:
+            return 0
+        return sum(count * BYTES.get(dtype, 4) for dtype, count in self.arrays())
 
 
 def parse_hlo(text):
@@ -249,11 +261,13 @@ def run_rounds(programs, states, data, rounds, seed, times=None):
 
 
 def read_trace(directory):
-    """`({hlo_module: {hlo_op: [microseconds of each execution]}},
-    {hlo_module: [microseconds of each run]})` from a `jax.profiler` trace:
-    each thunk from its start to its `end:` event (its own duration where
-    none was recorded); each run of a program from its first thunk's start
-    to its last thunk's end."""
+    """`({hlo_module: {hlo_op: [(latency, own) microseconds of each
+    execution]}}, {hlo_module: [microseconds of each run]})` from a
+    `jax.profiler` trace. A thunk's latency runs from its start to its
+    `end:` event, its own time is the call that started it: the same for a
+    thunk that runs in the calling thread, less for one that completes on
+    the thread pool. A run of a program spans its first thunk's start to
+    its last thunk's end."""
     paths = glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.trace.json.gz"))
     if not paths:
         raise RuntimeError(f"no trace written under {directory}")
@@ -265,8 +279,8 @@ def read_trace(directory):
     for event in events:
         args = event.get("args", {})
         if "hlo_op" in args and "hlo_module" in args:
-            record = [args["hlo_module"], args["hlo_op"], event["ts"], event.get("dur", 0.0),
-                      args.get("run_id")]
+            own = event.get("dur", 0.0)
+            record = [args["hlo_module"], args["hlo_op"], event["ts"], own, args.get("run_id"), own]
             open_starts[args["hlo_op"]].append(record)
             found.append(record)
         elif event["name"].startswith("end: "):
@@ -276,8 +290,8 @@ def read_trace(directory):
                 record[3] = max(record[3], event["ts"] - record[2])
     durations = collections.defaultdict(lambda: collections.defaultdict(list))
     runs = collections.defaultdict(lambda: [float("inf"), 0.0])
-    for module, op, began, duration, run in found:
-        durations[module][op].append(duration)
+    for module, op, began, duration, run, own in found:
+        durations[module][op].append((duration, own))
         span = runs[module, run]
         span[0], span[1] = min(span[0], began), max(span[1], began + duration)
     spans = collections.defaultdict(list)
@@ -287,10 +301,19 @@ def read_trace(directory):
 
 
 def per_step(durations, steps):
-    """Microseconds per step of each thunk: the median execution times the
+    """Microseconds per step of each thunk: the median latency times the
     executions per step (a median: on a loaded machine a few executions
     wait long for a core)."""
-    return {op: float(np.median(d)) * len(d) / steps for op, d in durations.items()}
+    return {op: float(np.median([latency for latency, _ in d])) * len(d) / steps
+            for op, d in durations.items()}
+
+
+def asynchronous(durations):
+    """The thunks that complete on the thread pool (median latency well
+    above the call's own time): their latency includes waiting in its
+    queue behind other thunks' work."""
+    return {op for op, d in durations.items()
+            if np.median([latency for latency, _ in d]) > 1.5 * np.median([own for _, own in d]) + 5}
 
 
 def own_times(kernels, members, raw):
@@ -345,55 +368,63 @@ def report(profiles, walls, steps, top):
     """Prints the tables (Markdown)."""
     modes = list(profiles)
     stock = profiles["stock"]
+    for p in profiles.values():
+        p["ran"] = [p["kernels"][n] for n in p["times"] if n in p["kernels"]]
+        p["mib"] = {k.name: k.bytes() * len(p["durations"][k.name]) / steps / 2**20
+                    for k in p["ran"]}
     print("\n| program | wall ms/step (median) | / stock | run span ms (median) | / stock "
-          "| thunk ms/step (sum) | / stock | thunks run per step | state arrays |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| thunk ms/step (sum) | of which thunks completing on the pool | thunks run per step "
+          "| MiB written per step | state arrays |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in modes:
         p = profiles[mode]
         total = sum(p["times"].values())
+        pooled = sum(us for name, us in p["times"].items() if name in p["async"])
         runs = sum(len(d) for d in p["durations"].values()) / steps
         print(f"| {mode} | {np.median(walls[mode]) * 1e3:.2f} "
               f"| {np.median(walls[mode]) / np.median(walls['stock']):.3f} "
               f"| {ms(p['span']):.2f} | {p['span'] / stock['span']:.3f} "
-              f"| {ms(total):.2f} | {total / sum(stock['times'].values()):.3f} "
-              f"| {runs:.0f} | {p['state_arrays']} |")
+              f"| {ms(total):.2f} | {ms(pooled):.2f} | {runs:.0f} "
+              f"| {sum(p['mib'].values()):.1f} | {p['state_arrays']} |")
 
-    by_category = {}
+    sums = {}
     for mode in modes:
-        p, sums = profiles[mode], collections.defaultdict(lambda: [0.0, 0])
+        p = profiles[mode]
+        sums[mode] = collections.defaultdict(lambda: [0.0, 0, 0.0])
         for name, us in p["times"].items():
             kernel = p["kernels"].get(name)
-            key = kernel.category if kernel is not None else "not in the HLO text"
-            sums[key][0] += us
-            sums[key][1] += 1
-        by_category[mode] = sums
-    categories = sorted(set().union(*by_category.values()),
-                        key=lambda c: -max(by_category[m].get(c, [0, 0])[0] for m in modes))
-    print("\nThunk ms/step per category (kernels of that category that ran):\n")
-    print("| category | " + " | ".join(
-        m if m == "stock" else f"{m} | {m} - stock" for m in modes) + " |")
-    print("|---|" + "---|" * (2 * len(modes) - 1))
-    for c in categories:
-        s = by_category["stock"].get(c, [0.0, 0])
-        cells = [f"{ms(s[0]):.3f} ({s[1]})"]
-        for mode in modes[1:]:
-            v = by_category[mode].get(c, [0.0, 0])
-            cells += [f"{ms(v[0]):.3f} ({v[1]})", f"{ms(v[0] - s[0]):+.3f}"]
-        print(f"| {c} | " + " | ".join(cells) + " |")
+            total = sums[mode][kernel.category if kernel is not None else "not in the HLO text"]
+            total[0] += us
+            total[1] += 1
+            total[2] += p["mib"].get(name, 0.0)
+    categories = sorted(set().union(*sums.values()),
+                        key=lambda c: -max(sums[m].get(c, [0, 0, 0])[0] for m in modes))
+    for title, cell, delta in (
+        ("Thunk ms/step per category (kernels of that category that ran)",
+         lambda v: f"{ms(v[0]):.3f} ({v[1]})", lambda v, r: f"{ms(v[0] - r[0]):+.3f}"),
+        ("MiB written per step per category",
+         lambda v: f"{v[2]:.1f}", lambda v, r: f"{v[2] - r[2]:+.1f}"),
+    ):
+        print(f"\n{title}:\n")
+        print("| category | " + " | ".join(
+            m if m == "stock" else f"{m} | {m} - stock" for m in modes) + " |")
+        print("|---|" + "---|" * (2 * len(modes) - 1))
+        for c in categories:
+            reference = sums["stock"].get(c, [0.0, 0, 0.0])
+            cells = [cell(reference)]
+            for mode in modes[1:]:
+                value = sums[mode].get(c, [0.0, 0, 0.0])
+                cells += [cell(value), delta(value, reference)]
+            print(f"| {c} | " + " | ".join(cells) + " |")
 
-    ran = {m: [profiles[m]["kernels"][n] for n in profiles[m]["times"] if n in profiles[m]["kernels"]]
-           for m in modes}
     for mode in (m for m in modes if not m.startswith("stock")):
         p = profiles[mode]
         groups = collections.defaultdict(lambda: [0.0, 0, 0.0, 0])
-        for kernel in ran["stock"]:
-            g = groups[kernel.category, kernel.shape]
-            g[0] += stock["times"][kernel.name]
-            g[1] += 1
-        for kernel in ran[mode]:
-            g = groups[kernel.category, kernel.shape]
-            g[2] += p["times"][kernel.name]
-            g[3] += 1
+        for program, offset in ((stock, 0), (p, 2)):
+            for kernel in program["ran"]:
+                group = groups[kernel.category, kernel.shape]
+                group[offset] += program["times"][kernel.name]
+                group[offset + 1] += 1
         ordered = sorted(groups.items(), key=lambda item: -abs(item[1][2] - item[1][0]))[:top]
         print(f"\n{mode}: the (category, output shape) groups whose time differs most "
               "from stock's:\n")
@@ -403,18 +434,21 @@ def report(profiles, walls, steps, top):
         for (c, shape), (s_us, s_n, m_us, m_n) in ordered:
             print(f"| {c} | `{shown(shape)}` | {ms(s_us):.3f} ({s_n}) "
                   f"| {ms(m_us):.3f} ({m_n}) | {ms(m_us - s_us):+.3f} |")
-        extras = matched_extras(ran["stock"], ran[mode], p["times"], stock["times"])
+        extras = matched_extras(stock["ran"], p["ran"], p["times"], stock["times"])
         extras.sort(key=lambda k: -p["times"][k.name])
-        total = sum(p["times"][k.name] for k in extras)
         print(f"\n{mode}: {len(extras)} kernels without a same-category, same-shaped "
-              f"counterpart in stock's, {ms(total):.3f} ms/step in all; "
-              f"the top {top}:\n")
-        print("| kernel | opcode | category | output shape | ms/step | from |")
-        print("|---|---|---|---|---|---|")
+              f"counterpart in stock's, {ms(sum(p['times'][k.name] for k in extras)):.3f} "
+              f"ms/step and {sum(p['mib'][k.name] for k in extras):.1f} MiB/step in all; "
+              f"the top {top} by time (pool: completes on the thread pool, its time "
+              "includes waiting there):\n")
+        print("| kernel | opcode | category | output shape | ms/step | MiB/step | pool | from |")
+        print("|---|---|---|---|---|---|---|---|")
         for kernel in extras[:top]:
             print(f"| `{kernel.name}` | {label(kernel)} | {kernel.category} "
-                  f"| `{shown(kernel.shape)}` "
-                  f"| {ms(p['times'][kernel.name]):.3f} | `{short_source(kernel)}` |")
+                  f"| `{shown(kernel.shape)}` | {ms(p['times'][kernel.name]):.3f} "
+                  f"| {p['mib'][kernel.name]:.2f} "
+                  f"| {'yes' if kernel.name in p['async'] else ''} "
+                  f"| `{short_source(kernel)}` |")
 
 
 # ------------------------------------------------------------ main
@@ -431,6 +465,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="rounds under the profiler")
     parser.add_argument("--top", type=int, default=15, help="rows of the per-kernel tables")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", default="",
+                        help="a folder to keep the trace and each program's optimized HLO in")
     parser.add_argument("--no-noise", dest="noise", action="store_false",
                         help="leave out the second stock program (the noise yardstick)")
     args = parser.parse_args(argv)
@@ -455,6 +491,10 @@ def main(argv=None):
         compiling = time.perf_counter()
         programs[mode], text = compile_program(model, mode, state, data[mode])
         kernels, members, module = parse_hlo(text)
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            with open(os.path.join(args.keep, f"{mode}.hlo.txt"), "w") as f:
+                f.write(text)
         profiles[mode] = {"kernels": kernels, "members": members, "module": module,
                           "state_arrays": len(jax.tree_util.tree_leaves(state))}
         # Copies: the programs donate their state, and the model's variables stay whole.
@@ -465,6 +505,7 @@ def main(argv=None):
     walls = {mode: [] for mode in modes}
     run_rounds(programs, states, data, args.timed, args.seed + 1, walls)
     with tempfile.TemporaryDirectory() as directory:
+        directory = args.keep or directory
         jax.profiler.start_trace(directory)
         run_rounds(programs, states, data, args.steps, args.seed + 2)
         jax.profiler.stop_trace()
@@ -472,6 +513,7 @@ def main(argv=None):
     for mode, p in profiles.items():
         p["durations"] = durations.get(p["module"], {})
         p["span"] = float(np.median(spans[p["module"]]))
+        p["async"] = asynchronous(p["durations"])
         p["times"] = own_times(p["kernels"], p["members"], per_step(p["durations"], args.steps))
     shape = data["stock"][0].shape
     print(f"\n{args.family}, batch {list(shape)}, mixed_float16, Adam, jit; "
