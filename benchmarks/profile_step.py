@@ -6,7 +6,8 @@ its batch) every program is `fit`'s step as Keras compiles it,
 `jax.jit(model.train_step, donate_argnums=0)`, lowered and compiled here
 once, with XLA's default CPU optimisation:
 
-- `stock`: `keras.mixed_precision.LossScaleOptimizer`;
+- `stock`: `keras.mixed_precision.LossScaleOptimizer`, and `stock_again`,
+  a second copy whose differences to the first are the run's noise;
 - `adaptive`: `tas.AdaptiveLossScaleOptimizer(inner)`, the default mode
   (global adaptive scale);
 - `per_layer`: `tas.instrument(model)` with `scaling="per_layer"`, its
@@ -19,25 +20,30 @@ then run in interleaved rounds (a fresh random order each round, every
 step waited for): `--timed` rounds without the profiler give the wall
 time per step (medians), `--steps` rounds under `jax.profiler` give the
 time of every XLA thunk. XLA's CPU runtime records each thunk with its HLO
-instruction's name (`hlo_op`) and program (`hlo_module`); a thunk's time
-runs from its start to its `end:` event (a convolution or a YNNPACK fusion
-completes asynchronously, on the thread pool). Each instruction is
-classified from the optimized HLO text of its program (`as_text()`): by
-opcode, and a fusion by the operations inside it. A conditional's or a
-loop's own time excludes the thunks of the computations it runs.
+instruction's name (`hlo_op`) and program (`hlo_module`); a thunk's time is
+the median over its executions of the time from its start to its `end:`
+event. Each instruction is classified from the optimized HLO text of its
+program (`as_text()`): by opcode, and a fusion by the operations inside it.
+A conditional's or a loop's own time excludes the thunks of the
+computations it runs.
 
-Printed (Markdown): per program the wall time and the summed thunk time per
-step; the thunk time per category and its difference to stock; per mode
-the (category, output shape) groups whose time differs most from stock's;
-and the mode's most expensive kernels with no counterpart of the same
-category and output shape (layout included) in stock's program.
+Printed (Markdown): per program the wall time, the span of a run (first
+thunk's start to last thunk's end), the summed thunk time, the thunks run
+and the MiB written per step (their outputs' sizes); the thunk time and the
+MiB written per category, and their differences to stock; per mode the
+(category, output shape) groups whose time differs most from stock's; and
+the mode's most expensive kernels with no counterpart of the same category
+and output shape (layout included) in stock's program.
 
-Thunks may run in parallel, so summed thunk time can exceed the wall time;
-on a loaded machine a thunk's time includes waits for a core.
+Thunks run in parallel on the thread pool, so summed thunk time can exceed
+the wall time. A thunk that completes on the pool (a copy of 1 MiB or more,
+YNNPACK fusions, parallel loops: flagged "pool") counts its wait in the
+pool's queue; on a loaded machine any thunk's time includes waits for a
+core. Compare those by MiB, thunk counts and wall time.
 
 Run: KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/profile_step.py --family cnn
-     [--modes adaptive,per_layer] [--warmup 3] [--steps 10] [--timed 20]
-     [--batch N] [--top 15]
+     [--modes adaptive,per_layer] [--warmup 3] [--timed 20] [--steps 20]
+     [--batch N] [--top 15] [--no-noise] [--keep DIR]
 """
 
 import argparse
@@ -313,7 +319,8 @@ def asynchronous(durations):
     above the call's own time): their latency includes waiting in its
     queue behind other thunks' work."""
     return {op for op, d in durations.items()
-            if np.median([latency for latency, _ in d]) > 1.5 * np.median([own for _, own in d]) + 5}
+            if np.median([latency for latency, _ in d])
+            > 1.5 * np.median([own for _, own in d]) + 5}
 
 
 def own_times(kernels, members, raw):
