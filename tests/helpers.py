@@ -397,9 +397,11 @@ def conv_net():
     return model, x, np.ones((4, 2), "float32")
 
 
-def optimized_fit_program(model, optimizer, x, y, loss="mse", measuring=True):
+def optimized_fit_program(model, optimizer, x, y, loss="mse", measuring=True, donated=False):
     """The optimized XLA program (HLO text) of `model.fit`'s step (per
-    layer, its measuring program, or with `measuring=False` its plain one)."""
+    layer, its measuring program, or with `measuring=False` its plain one);
+    on JAX with the state `donated` as `fit` donates it (its outputs may
+    overwrite their inputs' buffers)."""
     model.compile(optimizer, loss, jit_compile=True)
     if JAX:
         import jax
@@ -409,7 +411,8 @@ def optimized_fit_program(model, optimizer, x, y, loss="mse", measuring=True):
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables))
         with step_programs.measuring(measuring):
-            return jax.jit(model.train_step).lower(state, (x, y)).compile().as_text()
+            return jax.jit(model.train_step, donate_argnums=0 if donated else ()).lower(
+                state, (x, y)).compile().as_text()
     import tensorflow as tf
 
     # Traced once, here (its first trace may create the metrics' variables;

@@ -50,10 +50,19 @@ def select(pred, true_fn, false_fn):
     """
     if _ran_directly(pred, true_fn, false_fn):
         return
-    taken, other = _run(true_fn), _run(false_fn)
-    variables = _union(taken.assigned, other.assigned)
-    for variable in variables:
-        variable.assign(ops.where(pred, taken.value(variable), other.value(variable)))
+    # Each assignment is selected as it is made. A select of each variable's
+    # value after the branch made XLA copy every optimizer slot on every
+    # step (Adam's new `m` fused into both its select and the weight update,
+    # which read the donated old `m`: 180 MiB a step on ResNet50,
+    # benchmarks/RESULTS.md, "Where the time goes").
+    taken, other = _run(true_fn, pred), _run(false_fn, ops.logical_not(pred))
+    for variable in _union(taken.assigned, other.assigned):
+        if id(variable) not in other.assigned:
+            variable.assign(taken.value(variable))
+        elif id(variable) not in taken.assigned:
+            variable.assign(other.value(variable))
+        else:
+            variable.assign(ops.where(pred, taken.value(variable), other.value(variable)))
 
 
 def _ran_directly(pred, true_fn, false_fn):
@@ -86,26 +95,31 @@ def _values_after(fn, variables):
     return [branch.value(v) for v in variables]
 
 
-def _run(fn):
-    with _BranchScope() as scope:
+def _run(fn, pred=None):
+    with _BranchScope(pred) as scope:
         fn()
     return scope
 
 
 class _BranchScope(keras.StatelessScope):
     """A stateless scope that starts from the enclosing one's values and
-    remembers which variables were assigned in it."""
+    remembers which variables were assigned in it; with `pred`, each
+    assignment takes effect only where `pred` holds."""
 
-    def __init__(self):
+    def __init__(self, pred=None):
         super().__init__()
         enclosing = _enclosing_scope()
         if enclosing is not None:
             self.state_mapping = dict(enclosing.state_mapping)
+        self.pred = pred
         self.assigned = {}
 
     def add_update(self, update):
-        super().add_update(update)
-        self.assigned[id(update[0])] = update[0]
+        variable, value = update
+        if self.pred is not None:
+            value = ops.where(self.pred, value, self.value(variable))
+        super().add_update((variable, value))
+        self.assigned[id(variable)] = variable
 
     def value(self, variable):
         """The variable's value at the end of the branch."""
