@@ -80,3 +80,10 @@ def test_a_deferred_global_mode_checks_initial_scale_when_resolved(float16_polic
 def test_valid_edge_values_are_accepted():
     opt = make(initial_scale=1, min_scale=1, max_scale=1, headroom=1, autoclip_percentile=100)
     assert opt.min_scale == opt.max_scale == 1.0
+
+
+def test_compile_step_needs_a_built_adaptive_optimizer():
+    with pytest.raises(ValueError, match="`optimizer` must be a built tas.AdaptiveLossScaleOptimizer"):
+        tas.compile_step(lambda: None, keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="call optimizer.build"):
+        tas.compile_step(lambda: None, tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()))
