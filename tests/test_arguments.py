@@ -83,7 +83,8 @@ def test_valid_edge_values_are_accepted():
 
 
 def test_compile_step_needs_a_built_adaptive_optimizer():
-    with pytest.raises(ValueError, match="`optimizer` must be a built tas.AdaptiveLossScaleOptimizer"):
+    with pytest.raises(ValueError,
+                       match="`optimizer` must be a built tas.AdaptiveLossScaleOptimizer"):
         tas.compile_step(lambda: None, keras.optimizers.SGD())
     with pytest.raises(ValueError, match="call optimizer.build"):
         tas.compile_step(lambda: None, tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD()))
