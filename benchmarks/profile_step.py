@@ -70,15 +70,12 @@ import step_cost  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
 
-MODES = {
-    "stock": (False, lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())),
-    # A second stock program: its differences to the first are the run's noise.
-    "stock_again": (False, lambda: keras.mixed_precision.LossScaleOptimizer(
-        keras.optimizers.Adam())),
-    "adaptive": (False, lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam())),
-    "per_layer": (True, lambda: tas.AdaptiveLossScaleOptimizer(
-        keras.optimizers.Adam(), scaling="per_layer")),
-}
+# `step_cost`'s variants: stock, a second stock program (its differences to
+# the first are the run's noise), the default mode and per layer (profiled
+# as its plain program).
+MODES = {name: step_cost.VARIANTS[variant] for name, variant in (
+    ("stock", "stock"), ("stock_again", "stock_again"), ("adaptive", "adaptive"),
+    ("per_layer", "per_layer_100"))}
 # At most this many elements: an elementwise kernel of the step's
 # bookkeeping (scales, counters, flags), not of a tensor.
 SCALAR_ELEMENTS = 16

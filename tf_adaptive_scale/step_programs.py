@@ -90,11 +90,11 @@ def measuring_step(step, update_every):
 REQUEST = "measure_requested"
 
 
-def requested(tables):
-    """Whether any of `tables` (`ScaleTable`s, or their `measure` values)
-    asks the next step to measure, as a float32 scalar for a step's
-    outputs."""
-    flags = [ops.cast(getattr(t, "measure", t), "float32") for t in tables]
+def requested(flags):
+    """Whether any of the `measure` flags (of the `ScaleTable`s a step
+    drives, their variables or values) asks the next step to measure, as a
+    float32 scalar for the step's outputs."""
+    flags = [ops.cast(f, "float32") for f in flags]
     # One table's flag as it is: a reduction would be a kernel of its own.
     return flags[0] if len(flags) == 1 else ops.max(ops.stack(flags))
 
@@ -132,7 +132,6 @@ class Schedule:
         self.micro_batches = int(micro_batches)
         self._start = start
         self.micro_batch = None
-        self._asked = None  # the step the device asked to measure
         self._phase = 0  # of the scheduled steps, moved by a request
 
     def restart(self, micro_batch):
@@ -143,8 +142,7 @@ class Schedule:
         """The device asked to measure: the first step no call has begun
         yet measures (all its micro-batches), and the schedule counts
         `every` steps from it."""
-        self._asked = -(-self.micro_batch // self.micro_batches)
-        self._phase = self._asked % self.every
+        self._phase = -(-self.micro_batch // self.micro_batches) % self.every
 
     def next_call_measures(self):
         """Whether the next call measures; counts its micro-batches."""
@@ -156,8 +154,7 @@ class Schedule:
         return any(self._due(b // self.micro_batches) for b in range(first, self.micro_batch))
 
     def _due(self, step):
-        return (step == self._asked or step < CALIBRATION_STEPS
-                or (step - self._phase) % self.every == 0)
+        return step < CALIBRATION_STEPS or (step - self._phase) % self.every == 0
 
 
 class ScheduledPrograms:

@@ -336,7 +336,8 @@ class _TrainStep:
             logs["layer_log2_scales"] = ops.concatenate(
                 [ops.convert_to_tensor(t.log2_scales) for t in self._tables]
             )
-            logs[step_programs.REQUEST] = step_programs.requested(self._tables)
+            logs[step_programs.REQUEST] = step_programs.requested(
+                [t.measure for t in self._tables])
         return logs
 
 
@@ -371,17 +372,17 @@ def compile_step(fn, optimizer, *, jit_compile=True):
             "`optimizer` must be a built tas.AdaptiveLossScaleOptimizer: call "
             f"optimizer.build(model.trainable_variables) first. Received: {optimizer!r}"
         )
-    tables = optimizer.scale_tables()
+    flags = [t.measure for t in optimizer.scale_tables()]
 
     def traced(*args, **kwargs):
         outputs = {"outputs": fn(*args, **kwargs)}
-        if tables:
-            outputs[step_programs.REQUEST] = step_programs.requested(tables)
+        if flags:
+            outputs = step_programs.with_request(outputs, step_programs.requested(flags))
         return outputs
 
     programs = step_programs.ScheduledPrograms(
         lambda: tf.function(traced, jit_compile=jit_compile, autograph=False),
-        step_programs.Schedule(optimizer.update_every if tables else 1,
+        step_programs.Schedule(optimizer.update_every if flags else 1,
                                start=optimizer.micro_batches_taken),
     )
     return lambda *args, **kwargs: programs(*args, **kwargs)["outputs"]
