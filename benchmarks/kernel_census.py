@@ -8,7 +8,7 @@ of two depths the table gives each mode's kernels over stock's and that
 excess per trainable variable (its slope between the depths): a constant
 excess has slope 0.
 
-    PYTHONPATH=. python benchmarks/kernel_census.py            # depths 4 and 16
+    PYTHONPATH=. python benchmarks/kernel_census.py            # depths 4 and 16, the CNN
     PYTHONPATH=. python benchmarks/kernel_census.py --by-kind  # and what the kernels are
 """
 
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import keras  # noqa: E402
 from helpers import census_mlp as mlp  # noqa: E402
+from helpers import conv_net  # noqa: E402
 from helpers import optimized_fit_program  # noqa: E402
 from helpers import top_level_kernels  # noqa: E402
 
@@ -39,11 +40,14 @@ MODES["per layer, plain"] = MODES["per layer"]
 
 
 def census(depths):
-    """`{(mode, depth): (kernels, variables)}`."""
+    """`{(mode, depth): (kernels, variables)}`; depth "cnn": `helpers.conv_net`."""
     found = {}
     for depth in depths:
         for mode, make in MODES.items():
-            model, x, y = mlp(depth)
+            if depth == "cnn":
+                keras.mixed_precision.set_global_policy("mixed_float16")
+                keras.utils.set_random_seed(0)
+            model, x, y = conv_net() if depth == "cnn" else mlp(depth)
             model, optimizer = make(model)
             kernels = top_level_kernels(optimized_fit_program(
                 model, optimizer, x, y, measuring=not mode.endswith("plain")))
@@ -57,19 +61,20 @@ def main():
     parser.add_argument("--by-kind", action="store_true")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
-    found = census(depths)
-    print(f"backend {keras.backend.backend()}; kernels of fit's optimized step, MLP depths {depths}")
+    found = census(depths + ["cnn"])
+    print(f"backend {keras.backend.backend()}; kernels of fit's optimized step, MLP depths "
+          f"{depths} and a small CNN")
     print("| mode | " + " | ".join(f"depth {d}: kernels (over stock)" for d in depths)
-          + " | excess per variable |")
-    print("|---" * (len(depths) + 2) + "|")
+          + " | CNN | MLP excess per variable |")
+    print("|---" * (len(depths) + 3) + "|")
     for mode in MODES:
         cells, excess = [], []
-        for depth in depths:
+        for depth in depths + ["cnn"]:
             kernels, variables = found[mode, depth]
             over = len(kernels) - len(found["stock", depth][0])
             cells.append(f"{len(kernels)} ({over:+d})")
             excess.append((variables, over))
-        (v0, e0), (v1, e1) = excess[0], excess[-1]
+        (v0, e0), (v1, e1) = excess[0], excess[-2]
         slope = (e1 - e0) / (v1 - v0) if v1 != v0 else 0.0
         print(f"| {mode} | " + " | ".join(cells) + f" | {slope:.2f} |")
     if args.by_kind:

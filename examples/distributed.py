@@ -141,8 +141,7 @@ def main(argv=None):
     )
     # Every replica holds its own copy of each weight and of the optimizer's
     # state; one decision from the all-reduced gradients keeps them equal.
-    checked = [*model.weights, optimizer.loss_scale, optimizer.skipped_steps,
-               *optimizer.inner_optimizer.variables]
+    checked = [*model.weights, *optimizer.variables]  # the inner optimizer's too
     copies = [replica_values(v) for v in checked]
     assert all(len(c) == strategy.num_replicas_in_sync for c in copies)
     agree = all(all(np.array_equal(c[0], other) for other in c[1:]) for c in copies)

@@ -25,6 +25,7 @@ import helpers  # noqa: E402
 # (tf.function, tf.distribute, TensorBoard, GradientTape).
 ON_JAX = {
     "test_jax.py",
+    "test_saved_files.py",
     "test_compiled_step.py",
     "test_fit.py",
     "test_fit_accumulation.py",

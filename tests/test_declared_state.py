@@ -1,5 +1,6 @@
-"""The optimizer's state is what it declares: one variable per declared
-entry, readable ones as attributes, each clipper instance its own."""
+"""The optimizer's state is what it declares: one saved entry per declared
+variable (scalars packed in vectors, read as their own), readable ones as
+attributes, each clipper instance its own."""
 
 import numpy as np
 import pytest
@@ -72,36 +73,54 @@ def _per_layer():
                                 tas.clipping.AutoClip(50.0, window=8)]),
     _per_layer,
 ], ids=["adaptive", "accumulation", "clippers", "per_layer"])
-def test_the_optimizer_variables_are_exactly_its_declared_state(make):
+def test_the_optimizer_state_is_exactly_its_declared_state(make):
+    """What is saved is an entry per declared variable, in order, with its
+    shape, dtype and initial value (as before the scalars were packed); the
+    variables are the unpacked ones and vectors holding exactly the packed
+    scalars; a readable one is the attribute of its name."""
     opt = make()
     declared = opt.declared_state()
+    saved = {}
+    opt.save_own_variables(saved)
+    entries = [saved[str(i)] for i in range(len(saved))]
+    inner = len(opt.inner_optimizer.variables)
     # Keras's base optimizer makes two of its own first.
-    keras_made, own = (keras_internals.own_variables(opt)[:2],
-                       keras_internals.own_variables(opt)[2:])
-    assert [v.name for v in keras_made] == ["iteration", "learning_rate"]
-    assert [v.name for v in own] == [d.name for d in declared]
-    for variable, spec in zip(own, declared):
-        assert tuple(variable.shape) == tuple(spec.shape), spec.name
-        assert variable.dtype == keras.backend.standardize_dtype(spec.dtype), spec.name
+    assert len(entries) == 2 + len(declared) + inner
+    unscaled = opt.policy is not None and not opt.policy.scales_loss
+    for value, spec in zip(entries[2:], declared):
+        assert np.shape(value) == tuple(spec.shape), spec.name
+        assert np.asarray(value).dtype == np.dtype(spec.dtype), spec.name
         # A mode without a loss scale sets it to 1 when it is resolved.
-        unscaled = opt.policy is not None and not opt.policy.scales_loss
         initial = 1.0 if spec.name == "dynamic_scale" and unscaled else spec.initial
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable),
-                                      np.full(spec.shape, initial))
+        np.testing.assert_array_equal(value, np.full(spec.shape, initial), err_msg=spec.name)
         if spec.readable:
-            assert getattr(opt, spec.name) is variable
+            handle = getattr(opt, spec.name)
+            assert handle.name == spec.name
+            np.testing.assert_array_equal(np.asarray(handle), value)
         else:
             assert not hasattr(opt, spec.name)
+    packed = [s for s in declared if isinstance(getattr(opt, s.name, None),
+                                                 optimizer_state.StateSlot)]
+    assert {s.name for s in packed} == {
+        s.name for s in declared
+        if s.readable and s.shape == () and s.name != "dynamic_scale"
+        and s.aggregation == "only_first_replica"}
+    variables = keras_internals.own_variables(opt)[2:]
+    vectors = [v for v in variables if v.name.startswith("packed_")]
+    assert [v.name for v in variables if not v.name.startswith("packed_")] == [
+        s.name for s in declared if s not in packed]
+    assert sum(v.shape[0] for v in vectors) == len(packed)
     # Every variable the optimizer reads as an attribute is declared.
-    attributes = {name for name, value in vars(opt).items() if isinstance(value, keras.Variable)}
+    attributes = {name for name, value in vars(opt).items()
+                  if isinstance(value, (keras.Variable, optimizer_state.StateSlot))}
     assert attributes - {"_iterations", "_learning_rate"} == {
-        d.name for d in declared if d.readable}
+        d.name if d.readable else "_" + d.name for d in declared}
 
 
 def test_a_name_declared_twice_is_refused():
     opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.SGD(LR))
     twice = [optimizer_state.StateVariable("extra"), optimizer_state.StateVariable("extra")]
     with pytest.raises(ValueError, match="'extra' is declared twice"):
-        opt._make_state(twice)
+        opt._state.make(twice)
     with pytest.raises(ValueError, match="'skipped_steps' is declared twice"):
-        _adaptive()._make_state([optimizer_state.StateVariable("skipped_steps")])
+        _adaptive()._state.make([optimizer_state.StateVariable("skipped_steps")])

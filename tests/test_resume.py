@@ -57,6 +57,9 @@ class SaveAt(keras.callbacks.Callback):
                 model=self.model, optimizer=self.model.optimizer
             ).write(self.where["checkpoint"])
             self.saved = rw.snapshot(self.model)
+            optimizer = self.model.optimizer
+            self.counters = {name: int(getattr(optimizer, name))
+                             for name in ("skipped_steps", "measurements", "total_steps")}
 
 
 class InterruptAfter(keras.callbacks.Callback):
@@ -93,11 +96,7 @@ def train_and_save(mode, workdir):
     reference = rw.snapshot(model)
     skipped, measured, total = _counters(model)
     saved_names, saved_values = saver.saved
-    counters = {
-        name.rsplit("/", 1)[-1]: int(value)
-        for name, value in zip(saved_names, saved_values)
-        if name.endswith(("/skipped_steps", "/measurements", "/total_steps"))
-    }
+    counters = saver.counters
     # The protocol exercises what it claims: measurements and skipped steps
     # both before the save point and after it.
     steps = rw.SAVED_EPOCHS * rw.BATCHES_PER_EPOCH

@@ -47,11 +47,10 @@ def tensor(value):
 
 
 def variable_named(opt, name):
-    """The optimizer variable called `name` (names are kept; the attributes
-    that hold them may move)."""
-    found = [v for v in opt.variables if v.name == name]
-    assert len(found) == 1, [v.name for v in opt.variables]
-    return found[0]
+    """The optimizer state declared as `name` (a variable, or a scalar
+    packed in a vector: `optimizer_state.StateSlot`)."""
+    assert [s.name for s in opt.declared_state()].count(name) == 1, opt.declared_state()
+    return getattr(opt, name)
 
 
 def numpy_histogram(values):

@@ -25,6 +25,14 @@ if TENSORFLOW:
     # Step counters, int64 as in the stock optimizer.
     COUNTER_DTYPE = "int64"
 
+    # What a TensorFlow checkpoint saves by attribute name.
+    Trackable = tf.__internal__.tracking.Trackable
+
+    def convert_with(cls, to_tensor):
+        """Lets TensorFlow ops take a `cls` as the tensor `to_tensor` gives."""
+        tf.register_tensor_conversion_function(
+            cls, lambda x, dtype=None, name=None, as_ref=False: to_tensor(x))
+
     from tf_adaptive_scale.distribution import replica_weight
     from tf_adaptive_scale.distribution import run_step
     from tf_adaptive_scale.tensorflow_graph import assign_now
@@ -46,6 +54,12 @@ else:
 
     # int64 only where JAX has it enabled (it would be truncated, warning).
     COUNTER_DTYPE = "int64" if jax.config.jax_enable_x64 else "int32"
+
+    # No TensorFlow checkpoints.
+    Trackable = object
+
+    def convert_with(cls, to_tensor):
+        """JAX asks the object itself (`__jax_array__`)."""
 
     def run_step(
         step_fn, inner_optimizer, grads, variables, statistics=(),

@@ -132,6 +132,8 @@ class Measurement:
         Returns:
             The `Latest` statistics, as written (the step's where measured).
         """
+        if measured is False:  # known when traced: no write (not even of the old values)
+            return self.latest()
         total = each.total()
         histogram, max_abs, zeros = total.histograms, total.max_abs, total.zeros
         if packed is not None:
@@ -169,6 +171,8 @@ class Measurement:
     def report_underflow(self, measured, log2_scale, rule, latest):
         """On a measured step, the underflow fraction of the `latest`
         statistics at the scale the next steps use."""
+        if measured is False:
+            return
         self.underflow_fraction.assign(ops.where(
             measured,
             rule.underflow(latest.histogram, log2_scale, latest.zeros),

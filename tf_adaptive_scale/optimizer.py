@@ -3,6 +3,7 @@
 import functools
 import sys
 import typing
+import warnings
 
 import keras
 from keras import ops
@@ -81,9 +82,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.global_clipnorm = settings.global_clipnorm
         self._clippers = self.settings.clipping_chain()
         self._policy = None
-        self._declared = []
         self._layer_names = _LayerNames()
-        self._make_state(_protocol_state(self.initial_scale))
+        self._state = optimizer_state.DeclaredState(self)
+        self._state.make(_protocol_state(self.initial_scale))
+        self._state.pack()
         if scaling is not None:
             self.resolve_scaling(scaling)
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
@@ -95,13 +97,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return getattr(settings, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
-    def _make_state(self, declared, prefix=""):
-        return optimizer_state.make(self, declared, self._declared, prefix)
-
     def declared_state(self):
         """The optimizer's own variables, as declared
-        (`optimizer_state.StateVariable`s, in the order of `variables`)."""
-        return tuple(self._declared)
+        (`optimizer_state.StateVariable`s, in the order they are saved)."""
+        return tuple(self._state.specs)
 
     @property
     def policy(self):
@@ -130,19 +129,19 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return
         _refuse_a_wrapper(self)
         n = len(var_list)
-        self._step_state = step_state.StepState(
-            self._make_state(step_state.declared(n)), self.dynamic_scale)
-        self._measurement = measurement.Measurement(self._make_state(measurement.declared(n)))
-        self._make_state(_CLIPPING_STATE)
-        taken = [spec.name for spec in self._declared]
+        make = self._state.make
+        self._step_state = step_state.StepState(make(step_state.declared(n)), self.dynamic_scale)
+        self._measurement = measurement.Measurement(make(measurement.declared(n)))
+        make(_CLIPPING_STATE)
+        taken = [spec.name for spec in self._state.specs]
         for clipper, prefix in zip(self._clippers,
                                    clipping.state_prefixes(self._clippers, n, taken)):
-            clipper.bind(self._make_state(clipper.declared(n), prefix))
+            clipper.bind(make(clipper.declared(n), prefix))
         if self.accumulation_steps > 1:
             self._window = gradient_window.GradientWindow(
-                self._make_state(gradient_window.declared(var_list)), var_list,
-                self.accumulation_steps,
+                make(gradient_window.declared(var_list)), var_list, self.accumulation_steps,
             )
+        self._state.pack()
         self._scale_tables = layer_scaling.tables_of(var_list)
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(_trained(var_list))
@@ -428,7 +427,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """Flags non-finite gradients (on a skipped step) and, on a measured
         one, records the statistics `each`, per variable at its row; returns
         the `measurement.Latest` statistics."""
-        self._step_state.note_non_finite(finite, finite_each, [[row] for row in rows])
+        self._step_state.note_non_finite(finite, finite_each, rows)
         return self._measurement.record(
             measure, each, rows, self._step_state.total_steps.value, self._policy.rule, *packed)
 
@@ -442,15 +441,52 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         an instrumented model's `statistics` left out."""
         self.inner_optimizer.finalize_variable_values(_trained(var_list))
 
+    def save_own_variables(self, store):
+        """Saves this optimizer's state: an entry per declared variable
+        (`declared_state()`, packed or not, as files have always held)."""
+        for i, variable in enumerate(self._saved()):
+            store[str(i)] = variable.numpy()
+
     def load_own_variables(self, store):
         """Loads this optimizer's state, or a stock `LossScaleOptimizer`'s
         (see `stock_state`)."""
-        if not (self.built and len(store.keys()) != len(self.variables) and stock_state.load(
+        saved = self._saved()
+        if self.built and len(store.keys()) != len(saved) and stock_state.load(
             store, self.inner_optimizer, _trained(keras_internals.built_variables(self)),
-            keras_internals.own_variables(self),
+            self._state.by_name(),
             restore_scale=self._policy is None or self._policy.scales_loss,
-        )):
-            super().load_own_variables(store)
+        ):
+            return
+        if len(store.keys()) != len(saved):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}': it saves "
+                f"{len(saved)} entries and the file has {len(store.keys())} (another "
+                "inner optimizer or `accumulation_steps`, or the optimizer is not built).",
+                stacklevel=2,
+            )
+            return
+        for i, variable in enumerate(saved):
+            variable.assign(store[str(i)])
+
+    # TensorFlow checkpoints hold the declared state by name
+    # (`optimizer_state`), not by position in Keras's variable list, which
+    # the packing changed: a checkpoint written before restores by name.
+    def _trackable_children(self, *args, **kwargs):
+        children = super()._trackable_children(*args, **kwargs)
+        children.pop("_variables", None)
+        return children
+
+    def _lookup_dependency(self, name, *args, **kwargs):
+        return None if name == "_variables" else super()._lookup_dependency(
+            name, *args, **kwargs)
+
+    def _saved(self):
+        """What `.keras` files hold, in order: Keras's own variables
+        (iterations, learning rate), each declared one, the inner
+        optimizer's."""
+        made = {id(v) for v in self._state.variables()}
+        keras_own = [v for v in keras_internals.own_variables(self) if id(v) not in made]
+        return keras_own + self._state.handles + list(self.inner_optimizer.variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """`apply` on values instead of variables (JAX: `model.fit` and
@@ -623,7 +659,7 @@ def _protocol_state(initial_scale):
     step protocol, in variables so that eager and traced calls, in one
     function or several, agree."""
     return (
-        StateVariable("dynamic_scale", initial_scale),
+        StateVariable("dynamic_scale", initial_scale, packed=False),
         StateVariable("non_finite_losses", aggregation="sum"),
         StateVariable("loss_scale_used"),
         StateVariable("gradients_unscaled", False, dtype="bool"),

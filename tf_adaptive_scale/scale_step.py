@@ -109,8 +109,9 @@ class LayerStep(ScaleStep):
         return ops.all(ops.stack([t.backward_finite() for t in self.tables]))
 
     def measured(self, wanted):
-        # A plain program (`step_programs`) records no statistics.
-        return wanted if step_programs.is_measuring() else ops.convert_to_tensor(False)
+        # A plain program (`step_programs`) records no statistics: False
+        # when traced, so that it writes none (`Measurement.record`).
+        return wanted if step_programs.is_measuring() else False
 
     def applies(self, finite, measured, seen):
         # A unit that saw nothing rises on its own; the step is applied.

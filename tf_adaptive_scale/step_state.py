@@ -6,6 +6,7 @@ read into a `ScaleState` before a step, written from the policy's next one
 after it.
 """
 
+import numpy as np
 from keras import ops
 
 from tf_adaptive_scale import backends
@@ -65,14 +66,14 @@ class StepState:
         """On a skipped step, flags the variables (at `rows`) whose gradient
         was not finite; an applied step keeps the last skipped one's flags."""
         flags = self.non_finite_gradients
-        flags.assign(ops.where(
-            finite,
-            flags.value,
-            ops.scatter_update(
-                ops.zeros(flags.shape), rows,
-                ops.cast(ops.logical_not(finite_each), "float32"),
-            ),
-        ))
+        # A gather at constant positions (a row missing from `rows` reads the
+        # appended 0), which XLA fuses with the select; a scatter into zeros
+        # took three kernels.
+        positions = np.full(flags.shape, len(rows))
+        positions[list(rows)] = np.arange(len(rows))
+        noted = ops.take(ops.concatenate(
+            [ops.cast(ops.logical_not(finite_each), "float32"), ops.zeros((1,))]), positions)
+        flags.assign(ops.where(finite, flags.value, noted))
 
     def write(self, state, applied, loss_finite):
         """Writes the policy's next `state` and counts the step (a skipped

@@ -11,14 +11,15 @@ import warnings
 import keras
 
 
-def load(store, inner_optimizer, trained_variables, own_variables, restore_scale):
+def load(store, inner_optimizer, trained_variables, own_state, restore_scale):
     """Loads `store` if a stock optimizer saved it.
 
     Args:
         store: The saved variables, by position.
         inner_optimizer: The wrapped optimizer (built).
         trained_variables: The variables the inner optimizer trains.
-        own_variables: The loading optimizer's own variables.
+        own_state: The loading optimizer's declared variables (or
+            packed slots), by name.
         restore_scale: Whether the saved scale applies (not in a mode whose
             scale stays 1).
 
@@ -34,16 +35,15 @@ def load(store, inner_optimizer, trained_variables, own_variables, restore_scale
     outer = len(stock.variables) - len(stock.inner_optimizer.variables)
     for variable, i in zip(inner_optimizer.variables, range(outer, len(store.keys()))):
         variable.assign(store[str(i)])
-    own = {v.path.rsplit("/", 1)[-1]: v for v in own_variables}
     restored = []
     for i, variable in enumerate(stock.variables[:outer]):
         name = variable.path.rsplit("/", 1)[-1]
         if name == "dynamic_scale" and not restore_scale:
             continue  # this mode's scale stays 1
-        if name in own:
-            own[name].assign(store[str(i)])
+        if name in own_state:
+            own_state[name].assign(store[str(i)])
             restored.append(name)
-    fresh = [name for name in own if name not in restored]
+    fresh = [name for name in own_state if name not in restored]
     warnings.warn(
         "Loaded the state of a stock keras LossScaleOptimizer: restored "
         f"the inner optimizer and {', '.join(restored)}; these start "

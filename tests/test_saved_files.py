@@ -1,0 +1,75 @@
+"""Files written by an earlier version load: `tests/data/v0_1_0/` holds a
+`.keras` file and a TensorFlow checkpoint per mode, saved at 0.1.0, when
+each scalar of the optimizer's state was a variable of its own (see its
+`write.py`); they restore every declared value into today's packed state,
+and training goes on from them."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import tf_adaptive_scale as tas
+from tf_adaptive_scale import backends
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "v0_1_0")
+SAVED = json.load(open(os.path.join(DATA, "saved.json")))
+MODES = ["adaptive", "per_layer"]
+
+
+def _model(mode):
+    """The saved model and optimizer, as `write.py` made them."""
+    model = keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
+        keras.layers.Dense(1, dtype="float32", name="head")])
+    if mode == "per_layer":
+        model = tas.instrument(model)
+    optimizer = tas.AdaptiveLossScaleOptimizer(
+        keras.optimizers.Adam(1e-3), scaling=mode, update_every=2, clipnorm=1.0)
+    model.compile(optimizer, "mse", jit_compile=True)
+    return model, optimizer
+
+
+def _assert_restored(mode, model, optimizer):
+    saved = SAVED[mode]
+    for got, want in zip(model.get_weights(), saved["weights"]):
+        np.testing.assert_array_equal(got, np.asarray(want, got.dtype))
+    values = {path.rsplit("/", 1)[-1]: v for path, v in saved["optimizer"].items()
+              if path.startswith("adaptive_loss_scale_optimizer")}
+    names = [s.name for s in optimizer.declared_state()]
+    assert names == saved["declared"]
+    restored = 0
+    for name in names:
+        got = np.asarray(getattr(optimizer, name))
+        np.testing.assert_array_equal(got, np.asarray(values[name], got.dtype), err_msg=name)
+        restored += 1
+    assert int(optimizer.total_steps) == 8 and restored == len(names)
+    x = np.random.default_rng(1).standard_normal((8, 4)).astype("float32")
+    model.fit(x, x.sum(1, keepdims=True) * 1e3, batch_size=8, verbose=0)
+    assert int(optimizer.total_steps) == 9
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keras_file_of_0_1_0_loads(mode, float16_policy):
+    model = keras.models.load_model(os.path.join(DATA, f"{mode}.keras"))
+    _assert_restored(mode, model, model.optimizer)
+
+
+@pytest.mark.skipif(not backends.TENSORFLOW, reason="TensorFlow checkpoints")
+@pytest.mark.parametrize("built", [True, False], ids=["built", "built_after_read"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensorflow_checkpoint_of_0_1_0_restores(mode, built, float16_policy):
+    import tensorflow as tf
+
+    model, optimizer = _model(mode)
+    if built:
+        optimizer.build(model.trainable_variables)
+    status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+        os.path.join(DATA, f"{mode}_checkpoint"))
+    if not built:  # TensorFlow's deferred restoration, as before a first fit
+        optimizer.build(model.trainable_variables)
+    status.assert_existing_objects_matched()
+    _assert_restored(mode, model, optimizer)
