@@ -49,8 +49,10 @@ def fit_program(model, optimizer, x, y, loss="mse"):
 # this many on an MLP of depth 4 and of 16 (10 and 34 trainable variables;
 # `benchmarks/kernel_census.py`). Before the statistics were batched across
 # variables: +142 / +364 on TensorFlow, +132 / +316 on JAX; before the
-# scalar state was packed (issue 43): +73 / +80 and +63 / +33.
-DEFAULT_MODE_EXCESS = {"tensorflow": 65, "jax": 46}
+# scalar state was packed (issue 43): +73 / +80 and +63 / +33; before
+# the rule shared its window and one segment sum took counts and squares:
+# +58 / +65 and +46 / +16. Issue 43 asks at most 50 (and on the CNN).
+DEFAULT_MODE_EXCESS = {"tensorflow": 48, "jax": 33}
 
 
 def test_default_mode_adds_a_bounded_number_of_kernels_whatever_the_depth():

@@ -433,22 +433,25 @@ def _binned(values, owner, log2_scale):
 def _bin_counts(segments, squares, owner, rows):
     """`(rows, _BINS_WITH_EXTRAS + 1)`: counts of values by `_binned`
     segment, and per row the sum of their squares."""
+    width = _BINS_WITH_EXTRAS + 1
+    if rows > 1:
+        # The small tensors' rows (fewer than `_SMALL` values each: counts
+        # exact in float32): counts and squares in one segment sum, the
+        # squares a few thousand values per segment (within 1e-5).
+        table = ops.segment_sum(
+            ops.concatenate([ops.ones_like(squares), squares]),
+            ops.concatenate([segments + owner, owner * width + _BINS_WITH_EXTRAS]),
+            num_segments=rows * width,
+        )
+        return ops.reshape(table, (rows, width))
     # Integer counts: a float32 sum of ones stops growing at 2**24, which a
-    # large kernel or activation gradient exceeds.
-    counts = ops.segment_sum(
-        ops.ones_like(segments), segments, num_segments=rows * _BINS_WITH_EXTRAS,
-    )
-    if rows == 1:
-        # A tree reduction: XLA's segment sum is a sequential scatter on
-        # CPU, 5e-4 off float64 over a million values.
-        squares = ops.sum(squares)
-    else:
-        # One segment sum for every small tensor's squares, not a reduction
-        # each (a few thousand values per segment: within 1e-5).
-        squares = ops.segment_sum(squares, owner, num_segments=rows)
+    # large kernel or activation gradient exceeds. Squares by a tree
+    # reduction: XLA's segment sum is a sequential scatter on CPU, 5e-4
+    # off float64 over a million values.
+    counts = ops.segment_sum(ops.ones_like(segments), segments, num_segments=_BINS_WITH_EXTRAS)
     return ops.concatenate([
-        ops.reshape(ops.cast(counts, "float32"), (rows, _BINS_WITH_EXTRAS)),
-        ops.reshape(squares, (rows, 1)),
+        ops.reshape(ops.cast(counts, "float32"), (1, _BINS_WITH_EXTRAS)),
+        ops.reshape(ops.sum(squares), (1, 1)),
     ], axis=1)
 
 

@@ -156,9 +156,8 @@ class Measurement:
         latest = Latest(write(self.gradient_histogram, histogram),
                         write(self.gradient_zeros, zeros), write(self.gradient_max, max_abs))
         write(self.gradient_norm, _norm(total))
-        write(self.scale_window, ops.stack(
-            rule.bounds(histogram, max_abs)
-        ))
+        # From `latest`, as the rule's proposal: XLA computes the window once.
+        write(self.scale_window, ops.stack(rule.bounds(latest.histogram, latest.max_abs)))
         self.measurements.assign_add(ops.cast(measured, self.measurements.dtype))
         write(self.measured_step, ops.cast(step, self.measured_step.dtype))
         return latest
@@ -207,6 +206,10 @@ def _norm(statistics):
 def _placed(old, rows, new):
     """`old` with its rows at `rows` (static ints) replaced by `new`'s, as
     one gather with constant indices (a scatter costs more on CPU)."""
+    if list(rows) == list(range(old.shape[0])):
+        # Every row new (no overwritten variable): no gather of `old`, which
+        # made XLA copy the variable before writing it in place.
+        return ops.cast(new, old.dtype)
     position = {row: i for i, row in enumerate(rows)}
     index = [position.get(row, len(rows) + row) for row in range(old.shape[0])]
     return ops.take(ops.concatenate([ops.cast(new, old.dtype), old], axis=0), index, axis=0)
