@@ -8,11 +8,12 @@ attribute of the same name. `AdaptiveLossScaleOptimizer.declared_state()`
 lists them all.
 
 The readable scalars are packed: a vector of float32 (values and flags) and
-one of integers (counters) for the step protocol's and for `build`'s, each
-written by one fused select per step, where a variable of its own each cost XLA a kernel apiece
-(benchmarks/RESULTS.md, "Kernels"). Each reads and writes as a variable
-(`StateSlot`), and is saved as one: `.keras` files and TensorFlow checkpoints
-hold an entry per declared variable, as before the packing.
+one of integers (counters) for the step protocol's and for `build`'s, whose
+writes XLA fuses into a kernel per vector, where a variable each cost a
+kernel each (benchmarks/RESULTS.md, "Kernel census"). Each reads and writes
+as a variable (`StateSlot`), and is saved as one: `.keras` files and
+TensorFlow checkpoints hold an entry per declared variable, as before the
+packing.
 """
 
 import types
