@@ -453,7 +453,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         saved = self._saved()
         if self.built and len(store.keys()) != len(saved) and stock_state.load(
             store, self.inner_optimizer, _trained(keras_internals.built_variables(self)),
-            self._state.by_name(),
+            {**{v.name: v for v in self._keras_own()}, **self._state.by_name()},
             restore_scale=self._policy is None or self._policy.scales_loss,
         ):
             return
@@ -484,9 +484,13 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """What `.keras` files hold, in order: Keras's own variables
         (iterations, learning rate), each declared one, the inner
         optimizer's."""
+        return self._keras_own() + self._state.handles + list(self.inner_optimizer.variables)
+
+    def _keras_own(self):
+        """The variables Keras's base optimizer made on this one (its
+        iterations and learning rate), not the declared state."""
         made = {id(v) for v in self._state.variables()}
-        keras_own = [v for v in keras_internals.own_variables(self) if id(v) not in made]
-        return keras_own + self._state.handles + list(self.inner_optimizer.variables)
+        return [v for v in keras_internals.own_variables(self) if id(v) not in made]
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """`apply` on values instead of variables (JAX: `model.fit` and

@@ -18,8 +18,8 @@ def load(store, inner_optimizer, trained_variables, own_state, restore_scale):
         store: The saved variables, by position.
         inner_optimizer: The wrapped optimizer (built).
         trained_variables: The variables the inner optimizer trains.
-        own_state: The loading optimizer's declared variables (or
-            packed slots), by name.
+        own_state: The loading optimizer's own variables (its declared
+            ones, a packed scalar's slot among them), by name.
         restore_scale: Whether the saved scale applies (not in a mode whose
             scale stays 1).
 
