@@ -39,7 +39,7 @@ import step_cost  # noqa: E402
 import timing  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
-from tf_adaptive_scale import gradient_scale  # noqa: E402
+from tf_adaptive_scale.per_layer import gradient_scale  # noqa: E402
 
 
 def _convert_only(dy, control, statistics_shape, producer, consumer, input_dtype):

@@ -20,7 +20,7 @@ import numpy as np
 from keras import layers
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import step_programs
+from tf_adaptive_scale.per_layer import step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")

@@ -7,8 +7,8 @@ import pytest
 import keras
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import keras_internals
-from tf_adaptive_scale import optimizer_state
+from tf_adaptive_scale.backend import keras_internals
+from tf_adaptive_scale.rules import optimizer_state
 from helpers import three_layer_mlp
 from test_clipping import LR, check_step, random_grads, ref_global, setup
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import diagnoses
-from tf_adaptive_scale import monitor_log
-from tf_adaptive_scale.float16 import NUM_BINS
-from tf_adaptive_scale.monitor_log import LayerRecord
-from tf_adaptive_scale.monitor_log import LogRecord
+from tf_adaptive_scale.monitor import diagnoses
+from tf_adaptive_scale.monitor import monitor_log
+from tf_adaptive_scale.numerics.float16 import NUM_BINS
+from tf_adaptive_scale.monitor.monitor_log import LayerRecord
+from tf_adaptive_scale.monitor.monitor_log import LogRecord
 
 
 def record(step, norms, skipped=0, loss_finite=True, global_scale=True, **layer_fields):

@@ -357,7 +357,7 @@ class TestSecondWorkerProcess:
         assert mirrored["layer_scales"] == single["layer_scales"]
         # The last step's statistics are the global batch's: the same exponent
         # counts, and peaks that are not the sum of the replicas' (up to 2x).
-        from tf_adaptive_scale import gradient_scale
+        from tf_adaptive_scale.per_layer import gradient_scale
 
         got, want = np.array(mirrored["statistics"]), np.array(single["statistics"])
         np.testing.assert_array_equal(got[:, : gradient_scale.OUTPUT_MAX],

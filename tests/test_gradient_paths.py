@@ -180,7 +180,7 @@ def test_regularisers_and_add_loss_train_exactly_at_every_step():
 def test_counts_do_not_saturate_beyond_two_to_the_24():
     # float32 sums of ones stopped at 2**24: the same distribution at 2**25
     # values read a different underflow fraction and scale.
-    from tf_adaptive_scale import gradient_statistics as stats
+    from tf_adaptive_scale.numerics import gradient_statistics as stats
 
     def scale(n):
         values = np.full(n, 2.0**-10, "float32")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale.numerics import gradient_statistics as stats
 
 
 def numpy_histogram(values):

@@ -17,7 +17,7 @@ import pytest
 from helpers import TF
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import step_programs
+from tf_adaptive_scale.per_layer import step_programs
 
 STEPS, SURGE_AT, BATCH = 160, 40, 32
 

@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import monitor as monitor_lib
-from tf_adaptive_scale.float16 import NUM_BINS
-from tf_adaptive_scale.measurement import LayerStatistics
+from tf_adaptive_scale.monitor import callback as monitor_lib
+from tf_adaptive_scale.numerics.float16 import NUM_BINS
+from tf_adaptive_scale.step.measurement import LayerStatistics
 from helpers import named_mlp, run_python
 
 

@@ -17,8 +17,8 @@ import keras
 import tensorflow as tf
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import float16
-from tf_adaptive_scale import gradient_scale as gs
+from tf_adaptive_scale.numerics import float16
+from tf_adaptive_scale.per_layer import gradient_scale as gs
 from helpers import build, conv_net, head_on, normal, optimized_fit_program, run_python
 from helpers import dense_model, set_random_scales, shared_backbone
 

@@ -59,8 +59,8 @@ from hypothesis import strategies as st
 from keras import layers
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import scale_policy as sp
-from tf_adaptive_scale.float16 import NO_CAP_EXPONENT as NO_CAP
+from tf_adaptive_scale.rules import scale_policy as sp
+from tf_adaptive_scale.numerics.float16 import NO_CAP_EXPONENT as NO_CAP
 
 MODES = ("none", "static", "dynamic", "adaptive", "per_layer")
 # Modes whose scale moves by the overflow streak (the others keep theirs).

@@ -17,8 +17,8 @@ from helpers import ROOT
 from keras import ops
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import gradient_scale
-from tf_adaptive_scale import gradient_statistics as stats
+from tf_adaptive_scale.per_layer import gradient_scale
+from tf_adaptive_scale.numerics import gradient_statistics as stats
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import step_cost  # noqa: E402

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import backends
+from tf_adaptive_scale.backend import backends
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "v0_1_0")
 SAVED = json.load(open(os.path.join(DATA, "saved.json")))

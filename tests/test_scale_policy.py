@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tf_adaptive_scale import scale_policy as sp
+from tf_adaptive_scale.rules import scale_policy as sp
 
 
 def state(log2_scale=10.0, log2_ceiling=127.0, growth_count=0, overflow_streak=0,

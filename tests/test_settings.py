@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import clipping
-from tf_adaptive_scale import settings
+from tf_adaptive_scale.rules import clipping
+from tf_adaptive_scale.rules import settings
 
 from backend_step import stepper
 

@@ -14,9 +14,9 @@ import pytest
 from keras import layers, ops
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import gradient_scale as gs
-from tf_adaptive_scale import gradient_statistics as stats
-from tf_adaptive_scale import layer_scaling
+from tf_adaptive_scale.per_layer import gradient_scale as gs
+from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.per_layer import layer_scaling
 
 
 class LayerScale(layers.Layer):

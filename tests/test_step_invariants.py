@@ -28,9 +28,9 @@ import pytest
 from backend_step import stepper
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import gradient_scale
-from tf_adaptive_scale import gradient_statistics
-from tf_adaptive_scale import gradient_window
+from tf_adaptive_scale.per_layer import gradient_scale
+from tf_adaptive_scale.numerics import gradient_statistics
+from tf_adaptive_scale.step import gradient_window
 
 # Compiled steps: a jitted `stateless_apply` on JAX; a `tf.function` graph
 # on TensorFlow, where XLA would only add compile time (the XLA paths are

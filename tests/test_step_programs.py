@@ -16,8 +16,8 @@ from helpers import optimized_fit_program
 from helpers import top_level_kernels
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale import gradient_scale
-from tf_adaptive_scale import step_programs
+from tf_adaptive_scale.per_layer import gradient_scale
+from tf_adaptive_scale.per_layer import step_programs
 
 
 def test_the_schedule_measures_the_first_calls_then_every_nth_step():

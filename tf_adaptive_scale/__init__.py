@@ -3,22 +3,22 @@
 # First, before Keras starts TensorFlow: the demo's quiet start (a no-op in
 # any other use).
 from tf_adaptive_scale import demo_console  # noqa: I001
-from tf_adaptive_scale import clipping
-from tf_adaptive_scale import gradient_statistics
-from tf_adaptive_scale import optimizer_state
-from tf_adaptive_scale import scale_policy
-from tf_adaptive_scale.accumulation_model import ExactAccumulationModel
-from tf_adaptive_scale.accumulation_model import exact_accumulation
-from tf_adaptive_scale.forward_check import first_non_finite_layer
-from tf_adaptive_scale.gradient_scale import GradientScale
-from tf_adaptive_scale.gradient_scale import ScaleTable
-from tf_adaptive_scale.instrument import InstrumentedModel
-from tf_adaptive_scale.instrument import instrument
-from tf_adaptive_scale.monitor import ScaleMonitor
-from tf_adaptive_scale.optimizer import AdaptiveLossScaleOptimizer
-from tf_adaptive_scale.measurement import SkippedStepsError
-from tf_adaptive_scale.step_programs import measuring
-from tf_adaptive_scale.step_programs import measuring_step
+from tf_adaptive_scale.rules import clipping
+from tf_adaptive_scale.numerics import gradient_statistics
+from tf_adaptive_scale.rules import optimizer_state
+from tf_adaptive_scale.rules import scale_policy
+from tf_adaptive_scale.step.accumulation_model import ExactAccumulationModel
+from tf_adaptive_scale.step.accumulation_model import exact_accumulation
+from tf_adaptive_scale.monitor.forward_check import first_non_finite_layer
+from tf_adaptive_scale.per_layer.gradient_scale import GradientScale
+from tf_adaptive_scale.per_layer.gradient_scale import ScaleTable
+from tf_adaptive_scale.training.instrument import InstrumentedModel
+from tf_adaptive_scale.training.instrument import instrument
+from tf_adaptive_scale.monitor.callback import ScaleMonitor
+from tf_adaptive_scale.step.optimizer import AdaptiveLossScaleOptimizer
+from tf_adaptive_scale.step.measurement import SkippedStepsError
+from tf_adaptive_scale.per_layer.step_programs import measuring
+from tf_adaptive_scale.per_layer.step_programs import measuring_step
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ def __getattr__(name):
                 f"tf.distribute); the Keras backend is {keras.backend.backend()!r}. "
                 "On JAX, use model.fit or optimizer.stateless_apply in your loop."
             )
-        from tf_adaptive_scale import train_step
+        from tf_adaptive_scale.training import train_step
 
         return getattr(train_step, name)
     raise AttributeError(f"module 'tf_adaptive_scale' has no attribute {name!r}")

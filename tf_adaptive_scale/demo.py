@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
-from tf_adaptive_scale import monitor_log  # noqa: E402
+from tf_adaptive_scale.monitor import monitor_log  # noqa: E402
 from tf_adaptive_scale import report  # noqa: E402
 
 NOISE = 0.3
