@@ -181,12 +181,13 @@ def test_counts_do_not_saturate_beyond_two_to_the_24():
     # float32 sums of ones stopped at 2**24: the same distribution at 2**25
     # values read a different underflow fraction and scale.
     from tf_adaptive_scale.numerics import gradient_statistics as stats
+    from tf_adaptive_scale.rules import adaptive_rule
 
     def scale(n):
         values = np.full(n, 2.0**-10, "float32")
         values[: n // 1000] = 2.0**-30  # 0.1% far below
         hist, peak = stats.exponent_histogram([ops.convert_to_tensor(values)])
         assert float(ops.sum(hist)) == n
-        return float(stats.adaptive_log2_scale(hist, peak, 1e-4, 1.0)[0])
+        return float(adaptive_rule.adaptive_log2_scale(hist, peak, 1e-4, 1.0)[0])
 
     assert scale(2**23) == scale(2**25)

@@ -6,6 +6,8 @@ from keras import ops
 
 from tf_adaptive_scale.numerics import gradient_statistics as stats
 
+from tf_adaptive_scale.rules import adaptive_rule
+
 
 def numpy_histogram(values):
     a = np.abs(np.asarray(values, np.float64).ravel())
@@ -138,15 +140,15 @@ def test_scale_bounds_on_known_distribution():
     hist, max_abs = known_distribution()
     # At most 1% may underflow: the 10 values at 2**-40 may, the 90 at 2**-30
     # may not, so 2**-30 * 2**k >= 2**-24 -> k >= 6.
-    low, high = stats.scale_bounds(hist, max_abs, 0.01)
+    low, high = adaptive_rule.scale_bounds(hist, max_abs, 0.01)
     assert float(low) == 6
     # 1.5 * 2**-3 * 2**k <= 65504 -> k <= 18 (1.5 * 2**15 = 49152; 2**16 overflows).
     assert float(high) == 18
     # At 0.1% even the 10 smallest values count: 2**-40 * 2**k >= 2**-24 -> k >= 16.
-    low, _ = stats.scale_bounds(hist, max_abs, 1e-3)
+    low, _ = adaptive_rule.scale_bounds(hist, max_abs, 1e-3)
     assert float(low) == 16
     # At 20% the 90 may underflow too: k >= -24 + 10 = -14.
-    low, _ = stats.scale_bounds(hist, max_abs, 0.2)
+    low, _ = adaptive_rule.scale_bounds(hist, max_abs, 0.2)
     assert float(low) == -14
 
 
@@ -161,7 +163,7 @@ def test_scale_bounds_on_known_distribution():
 )
 def test_adaptive_rule_picks_predicted_scale(rate, log2_headroom, expected):
     hist, max_abs = known_distribution()
-    log2_scale, _, high = stats.adaptive_log2_scale(hist, max_abs, rate, log2_headroom)
+    log2_scale, _, high = adaptive_rule.adaptive_log2_scale(hist, max_abs, rate, log2_headroom)
     assert float(log2_scale) == expected
     assert float(log2_scale) <= float(high)
 
@@ -169,11 +171,11 @@ def test_adaptive_rule_picks_predicted_scale(rate, log2_headroom, expected):
 def test_no_window_when_range_exceeds_float16():
     values = np.array([2.0**-40] * 50 + [2.0**10] * 50, "float32")
     hist, max_abs = stats.exponent_histogram([ops.array(values)])
-    log2_scale, low, high = stats.adaptive_log2_scale(hist, max_abs, 1e-3, 4)
+    log2_scale, low, high = adaptive_rule.adaptive_log2_scale(hist, max_abs, 1e-3, 4)
     assert float(low) == 16 and float(high) == 5  # no global scale fits
     assert float(log2_scale) == 5  # overflow wins: never past the max
     # Half the values underflow at the chosen scale.
-    assert float(stats.underflow_fraction(hist, log2_scale)) == 0.5
+    assert float(adaptive_rule.underflow_fraction(hist, log2_scale)) == 0.5
 
 
 def test_underflow_fraction_matches_float16_cast():
@@ -183,13 +185,13 @@ def test_underflow_fraction_matches_float16_cast():
     for k in (0, 4, 8, 12):
         scaled = g * 2.0**k
         lost = np.mean(np.abs(scaled) < 2.0**-24)
-        assert float(stats.underflow_fraction(hist, float(k))) == pytest.approx(lost)
+        assert float(adaptive_rule.underflow_fraction(hist, float(k))) == pytest.approx(lost)
 
 
 def test_rule_is_vectorized_over_rows():
     hist, max_abs = known_distribution()
     stacked = ops.stack([hist, hist * 2])
-    log2_scale, low, high = stats.adaptive_log2_scale(
+    log2_scale, low, high = adaptive_rule.adaptive_log2_scale(
         stacked, ops.stack([max_abs, max_abs * 8]), 0.01, 4
     )
     np.testing.assert_array_equal(np.asarray(low), [6, 6])
@@ -201,12 +203,12 @@ def test_mass_criterion_ignores_tiny_values_that_carry_no_norm():
     # Half the values are tiny (2**-40) and carry ~2**-60 of the squared norm.
     values = np.array([2.0**-40] * 500 + [2.0**-10] * 500, "float32")
     hist, max_abs = stats.exponent_histogram([ops.array(values)])
-    count_low, _ = stats.scale_bounds(hist, max_abs, 1e-3)
-    mass_low, _ = stats.scale_bounds(stats.mass_histogram(hist), max_abs, 1e-3)
+    count_low, _ = adaptive_rule.scale_bounds(hist, max_abs, 1e-3)
+    mass_low, _ = adaptive_rule.scale_bounds(adaptive_rule.mass_histogram(hist), max_abs, 1e-3)
     assert float(count_low) == 16  # keep the tiny half: 2**-40 * 2**16
     assert float(mass_low) == -14  # keep only what carries the norm: 2**-10 * 2**-14
     # The mass share that underflows at 2**14: the tiny half's, about 2**-60.
-    share = float(stats.underflow_fraction(stats.mass_histogram(hist), 14.0))
+    share = float(adaptive_rule.underflow_fraction(adaptive_rule.mass_histogram(hist), 14.0))
     assert 0 < share < 2.0**-55
     expected = np.sum(values[values * 2.0**14 < 2.0**-24] ** 2) / np.sum(values**2)
     assert share == pytest.approx(expected, rel=1.0)  # within the 4x bin width
@@ -214,7 +216,7 @@ def test_mass_criterion_ignores_tiny_values_that_carry_no_norm():
 
 def test_mass_histogram_of_empty_histogram_is_zero():
     empty = ops.zeros((stats.NUM_BINS,))
-    assert float(ops.sum(stats.mass_histogram(empty))) == 0.0
+    assert float(ops.sum(adaptive_rule.mass_histogram(empty))) == 0.0
 
 
 def test_pow2_is_exact():

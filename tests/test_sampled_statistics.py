@@ -19,6 +19,7 @@ from keras import ops
 import tf_adaptive_scale as tas
 from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.rules import adaptive_rule
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import step_cost  # noqa: E402
@@ -80,7 +81,7 @@ def chosen_scales(family, scaling, sampled, steps=2):
         return np.log2([float(optimizer.loss_scale)]), np.asarray(optimizer.scale_window)[:1]
     (table,) = [layer for layer in model.layers if isinstance(layer, tas.ScaleTable)]
     statistics = np.asarray(table.statistics)[1:]  # the loss unit has none
-    low, _ = stats.scale_bounds(statistics[:, : stats.NUM_BINS], np.ones(len(statistics)),
+    low, _ = adaptive_rule.scale_bounds(statistics[:, : stats.NUM_BINS], np.ones(len(statistics)),
                                 optimizer.underflow_rate)
     return np.log2(np.array(list(optimizer.layer_scales().values()))), np.asarray(low)
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.rules import adaptive_rule
 
 
 def float16_fractions(histogram, log2_scale):
@@ -72,5 +73,5 @@ def scale_window(layer, underflow_rate):
         quantile = underflow_rate * sigma * math.sqrt(math.pi / 2)
         low = math.ceil(float16.SUBNORMAL_EXPONENT - math.log2(quantile))
         return float(max(low, round(layer.log2_scale) + 1)), high, True
-    low, _ = stats.scale_bounds(histogram, 1.0, underflow_rate)
+    low, _ = adaptive_rule.scale_bounds(histogram, 1.0, underflow_rate)
     return float(low), high, False

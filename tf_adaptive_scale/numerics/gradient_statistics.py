@@ -1,10 +1,10 @@
-"""Gradient magnitude statistics and the adaptive scale rule.
+"""Gradient magnitude statistics: what a gradient measures, not what to do about it.
 
 The statistic is a histogram of float exponents, `floor(log2(|g|))`, over the
 nonzero finite values of one or more tensors: O(N), one pass, fixed size, and
-XLA-friendly (a segment sum). From it the rule reads the fraction of values
-that would fall below float16's smallest subnormal at any power-of-two scale,
-without a second pass over the gradients.
+XLA-friendly (a segment sum). From it the adaptive rule (`rules.adaptive_rule`)
+reads the fraction of values that would fall below float16's smallest
+subnormal at any power-of-two scale, without a second pass over the gradients.
 
 All functions work on the last axis, so a stack of histograms (one row per
 tensor, as the per-layer scales need) goes through the same code.
@@ -16,7 +16,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.backend import sparse_gradients as sparse
 from tf_adaptive_scale.numerics.float16 import EXPONENT_MIN
 from tf_adaptive_scale.numerics.float16 import NUM_BINS
@@ -465,107 +464,6 @@ def _exponent(magnitude):
     return ops.cast(ops.right_shift(bits, 23) - 127, "float32")
 
 
-def mass_histogram(histogram):
-    """Weights an exponent histogram by squared magnitude.
-
-    Fed to `scale_bounds`/`underflow_fraction` in place of the counts, it
-    turns the count-based criterion into a mass-based one: the share of the
-    squared L2 norm that underflows (bins are weighted by `4**exponent`,
-    relative to the largest occupied bin, so within a factor 4 per value).
-    Many tiny values can underflow while carrying almost none of the norm.
-
-    Args:
-        histogram: Exponent histogram(s), shape `(..., NUM_BINS)`.
-
-    Returns:
-        float32 tensor of the same shape.
-    """
-    exponents = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
-    occupied = ops.where(histogram > 0, exponents, -np.inf)
-    top = ops.max(occupied, axis=-1, keepdims=True)
-    top = ops.where(ops.isfinite(top), top, 0.0)
-    return histogram * pow2(2.0 * ops.minimum(exponents - top, 0.0))
-
-
-def underflow_fraction(histogram, log2_scale, zeros=0.0):
-    """Fraction of values below 2**-24 once multiplied by a scale.
-
-    Args:
-        histogram: Exponent histogram(s) of unscaled values, shape
-            `(..., NUM_BINS)`.
-        log2_scale: Integer-valued exponent(s) of the scale, shape `(...)`.
-        zeros: Exact zeros among the values (`grouped_statistics`'s `zeros`), counted as
-            underflowed: float16 cannot tell a value lost to underflow from
-            a true zero, and hiding them would hide the loss.
-
-    Returns:
-        The fraction of the values that underflow float16, shape `(...)`
-        (0 where there are none).
-    """
-    below = _count_below(histogram, float16.SUBNORMAL_EXPONENT - log2_scale)
-    total = ops.sum(histogram, axis=-1) + zeros
-    return ops.where(total > 0, (below + zeros) / ops.maximum(total, 1.0), 0.0)
-
-
-def scale_bounds(histogram, max_abs, underflow_rate):
-    """The window of scale exponents a histogram allows.
-
-    Args:
-        histogram: Exponent histogram(s) of unscaled values, `(..., NUM_BINS)`.
-        max_abs: Largest unscaled |value|, shape `(...)`.
-        underflow_rate: Largest tolerated fraction of underflowing values.
-
-    Returns:
-        A tuple `(low, high)` of float32 exponents: `2**low` is the smallest
-        power-of-two scale at which at most `underflow_rate` of the nonzero
-        values fall below float16's smallest subnormal, and `2**high` the
-        largest at which `max_abs` stays at or below float16's maximum. A
-        global scale exists that satisfies both only where `low <= high`.
-    """
-    total = ops.sum(histogram, axis=-1, keepdims=True)
-    # cumulative[..., j]: values with exponent < j + EXPONENT_MIN.
-    cumulative = ops.cumsum(histogram, axis=-1) - histogram
-    allowed = ops.cast(cumulative <= underflow_rate * total, "float32")
-    # Exponents e with count(exponent < e) within the budget form a prefix;
-    # the largest such e is the lowest exponent that may stay representable.
-    lowest_kept = ops.sum(allowed, axis=-1) - 1.0 + EXPONENT_MIN
-    low = float16.SUBNORMAL_EXPONENT - lowest_kept
-    safe_max = ops.where(max_abs > 0, max_abs, 1.0)
-    high = ops.floor(ops.log2(float16.MAX / safe_max))
-    return low, high
-
-
-def adaptive_log2_scale(histogram, max_abs, underflow_rate, log2_headroom):
-    """The adaptive rule: the exponent of the scale to use next.
-
-    The largest power of two that keeps `headroom` between the largest value
-    and float16's maximum; where that leaves more than `underflow_rate` of the
-    values below float16's smallest subnormal, the headroom is given up as far
-    as needed, but never past the point where the largest value overflows.
-
-    Args:
-        histogram: Exponent histogram(s) of unscaled values, `(..., NUM_BINS)`.
-        max_abs: Largest unscaled |value|, shape `(...)`.
-        underflow_rate: Largest tolerated fraction of underflowing values.
-        log2_headroom: Exponent of the headroom factor.
-
-    Returns:
-        A tuple `(log2_scale, low, high)`: the chosen exponent (not yet
-        bounded by the optimizer's `min_scale`/`max_scale`) and the window from
-        `scale_bounds`.
-    """
-    low, high = scale_bounds(histogram, max_abs, underflow_rate)
-    log2_scale = ops.minimum(ops.maximum(high - log2_headroom, low), high)
-    return log2_scale, low, high
-
-
-def _count_below(histogram, exponent):
-    """Counts values whose binary exponent is below `exponent`."""
-    edges = ops.arange(NUM_BINS, dtype="float32") + EXPONENT_MIN
-    below = ops.cast(edges < ops.expand_dims(exponent, -1), "float32")
-    return ops.sum(histogram * below, axis=-1)
-
-
 __all__ = [
     "EXPONENT_MIN",
     "NUM_BINS",
@@ -573,10 +471,6 @@ __all__ = [
     "exponent_histogram",
     "grouped_statistics",
     "peaks_and_non_finite",
-    "mass_histogram",
-    "underflow_fraction",
-    "scale_bounds",
-    "adaptive_log2_scale",
     "combine_measurements",
     "unscale",
 ]

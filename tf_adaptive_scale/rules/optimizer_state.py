@@ -38,6 +38,8 @@ class StateVariable(NamedTuple):
         readable: Whether it is read as an attribute of the optimizer.
         packed: Whether a readable scalar goes in a packed vector (not a
             variable Keras's own `LossScaleOptimizer` reads: its scale).
+        retired: No longer kept; declared where files saved before hold
+            its entry, so that they still load (`DeclaredState.layouts`).
     """
 
     name: str
@@ -47,6 +49,7 @@ class StateVariable(NamedTuple):
     aggregation: str = "only_first_replica"
     readable: bool = True
     packed: bool = True
+    retired: bool = False
 
 
 class DeclaredState:
@@ -62,6 +65,7 @@ class DeclaredState:
         self.handles = []  # each one's variable or `StateSlot`
         self._unpacked = []  # slots declared, not yet in a vector
         self._vectors = 0
+        self._retired = []  # where a retired variable's entry stood in `handles`
 
     def make(self, declared, prefix=""):
         """Creates `declared` and returns them by name.
@@ -80,12 +84,16 @@ class DeclaredState:
         handles = {}
         for local in declared:
             spec = local._replace(name=prefix + local.name)
-            if spec.name in taken or (spec.readable and hasattr(type(optimizer), spec.name)):
+            if spec.name in taken or (spec.readable and not spec.retired
+                                       and hasattr(type(optimizer), spec.name)):
                 raise ValueError(
                     f"The optimizer state variable {spec.name!r} is declared twice "
                     "(or shadows an attribute): give each one its own name."
                 )
             taken.add(spec.name)
+            if spec.retired:
+                self._retired.append(len(self.handles))
+                continue
             if _packable(spec):
                 handle = StateSlot(spec)
                 self._unpacked.append(handle)
@@ -124,6 +132,17 @@ class DeclaredState:
         made.update((id(h.vector), h.vector) for h in self.handles
                     if isinstance(h, StateSlot) and h.vector is not None)
         return list(made.values())
+
+    def layouts(self):
+        """The layouts of saved entries this state loads: today's
+        (`handles`), and, where a variable was retired, the one before, with
+        None where its entry stood."""
+        if not self._retired:
+            return [self.handles]
+        before = list(self.handles)
+        for position in reversed(self._retired):
+            before.insert(position, None)
+        return [self.handles, before]
 
     def by_name(self):
         """`{name: variable or slot}`."""

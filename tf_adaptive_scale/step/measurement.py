@@ -74,7 +74,9 @@ def declared(num_variables):
         StateVariable("gradient_zeros"),
         StateVariable("gradient_max"),
         StateVariable("underflow_fraction"),
-        StateVariable("scale_window", shape=(2,)),
+        # Unread (the rule's window is `AdaptiveLossScaleOptimizer.scale_window`,
+        # worked out when read); 0.1.0's files hold it.
+        StateVariable("scale_window", shape=(2,), retired=True),
         StateVariable("gradient_norm"),
         StateVariable("variable_gradient_norms", shape=(num_variables,)),
         # Exact zeros per variable: float16 cannot tell a value lost to
@@ -117,12 +119,12 @@ class Measurement:
             unscaled, range(len(unscaled)), len(unscaled), sample=stats.VARIABLE_SAMPLE
         )
 
-    def record(self, measured, each, rows, step, rule, packed=None):
+    def record(self, measured, each, rows, step, packed=None):
         """Where `measured`, records a finite step's gradient statistics
         (`statistics`), per variable (at `rows`) and in total; with several
         replicas or micro-batches the total histogram, zeros and peak are
         their own, combined (`packed`), the per-variable records those of
-        the sum; `rule` (an `AdaptiveRule`) gives the scale window.
+        the sum.
 
         Written by selects where `measured`, not in a conditional: a
         conditional in the compiled step makes XLA give its operands buffers
@@ -156,8 +158,6 @@ class Measurement:
         latest = Latest(write(self.gradient_histogram, histogram),
                         write(self.gradient_zeros, zeros), write(self.gradient_max, max_abs))
         write(self.gradient_norm, _norm(total))
-        # From `latest`, as the rule's proposal: XLA computes the window once.
-        write(self.scale_window, ops.stack(rule.bounds(latest.histogram, latest.max_abs)))
         self.measurements.assign_add(ops.cast(measured, self.measurements.dtype))
         write(self.measured_step, ops.cast(step, self.measured_step.dtype))
         return latest
@@ -185,13 +185,6 @@ class Latest(NamedTuple):
     histogram: object
     zeros: object
     max_abs: object
-
-    def proposal(self, rule):
-        """`rule`'s exponent, and whether any value was nonzero: counted, or
-        the exact peak (a sample can miss every nonzero value; the rule
-        then reads the peak alone)."""
-        seen = ops.logical_or(ops.sum(self.histogram) > 0, self.max_abs > 0)
-        return rule.log2_scale(self.histogram, self.max_abs), seen
 
 
 def _norm(statistics):

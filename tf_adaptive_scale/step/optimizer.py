@@ -6,6 +6,7 @@ import typing
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from tf_adaptive_scale.backend import backends
@@ -101,6 +102,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """The optimizer's own variables, as declared
         (`optimizer_state.StateVariable`s, in the order they are saved)."""
         return tuple(self._state.specs)
+
+    @property
+    def scale_window(self):
+        """`[low, high]`, a NumPy array: the exponents the rule allows for the
+        last measured step's gradients (`adaptive_rule.AdaptiveRule.bounds`,
+        worked out when read; the default rule's before the mode is
+        resolved)."""
+        rule = (self._policy.rule if self._policy is not None
+                else self.settings.policy("adaptive").rule)
+        window = rule.bounds(self.gradient_histogram.value, self.gradient_max.value)
+        return np.array([float(bound) for bound in window], "float32")
 
     @property
     def policy(self):
@@ -429,7 +441,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         the `measurement.Latest` statistics."""
         self._step_state.note_non_finite(finite, finite_each, rows)
         return self._measurement.record(
-            measure, each, rows, self._step_state.total_steps.value, self._policy.rule, *packed)
+            measure, each, rows, self._step_state.total_steps.value, *packed)
 
     def _regular(self, variables):
         """Indices of the variables updated from their gradients."""
@@ -449,24 +461,26 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def load_own_variables(self, store):
         """Loads this optimizer's state, or a stock `LossScaleOptimizer`'s
-        (see `stock_state`)."""
-        saved = self._saved()
-        if self.built and len(store.keys()) != len(saved) and stock_state.load(
+        (see `stock_state`), or one saved before a variable was retired."""
+        layouts = [self._saved(state) for state in self._state.layouts()]
+        saved = next((s for s in layouts if len(s) == len(store.keys())), None)
+        if saved is None and self.built and stock_state.load(
             store, self.inner_optimizer, _trained(keras_internals.built_variables(self)),
             {**{v.name: v for v in self._keras_own()}, **self._state.by_name()},
             restore_scale=self._policy is None or self._policy.scales_loss,
         ):
             return
-        if len(store.keys()) != len(saved):
+        if saved is None:
             warnings.warn(
                 f"Skipping variable loading for optimizer '{self.name}': it saves "
-                f"{len(saved)} entries and the file has {len(store.keys())} (another "
+                f"{len(layouts[0])} entries and the file has {len(store.keys())} (another "
                 "inner optimizer or `accumulation_steps`, or the optimizer is not built).",
                 stacklevel=2,
             )
             return
         for i, variable in enumerate(saved):
-            variable.assign(store[str(i)])
+            if variable is not None:  # None: a retired variable's entry
+                variable.assign(store[str(i)])
 
     # TensorFlow checkpoints hold the declared state by name
     # (`optimizer_state`), not by position in Keras's variable list, which
@@ -480,11 +494,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         return None if name == "_variables" else super()._lookup_dependency(
             name, *args, **kwargs)
 
-    def _saved(self):
+    def _saved(self, state=None):
         """What `.keras` files hold, in order: Keras's own variables
-        (iterations, learning rate), each declared one, the inner
-        optimizer's."""
-        return self._keras_own() + self._state.handles + list(self.inner_optimizer.variables)
+        (iterations, learning rate), each declared one (`state`: a layout of
+        `DeclaredState.layouts`), the inner optimizer's."""
+        state = self._state.handles if state is None else state
+        return self._keras_own() + list(state) + list(self.inner_optimizer.variables)
 
     def _keras_own(self):
         """The variables Keras's base optimizer made on this one (its

@@ -74,7 +74,7 @@ class GlobalStep(ScaleStep):
         super().__init__(policy, state)
 
     def next_state(self, observation, unscaled, latest):
-        proposed, seen = latest.proposal(self.policy.rule)
+        proposed, seen = self.policy.rule.proposal(latest.histogram, latest.max_abs)
         return self.policy.next_state(
             self.state, observation._replace(proposed=proposed, seen=seen)
         )
