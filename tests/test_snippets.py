@@ -9,7 +9,7 @@ model and data made in code. The child's environment is the suite's
 TensorFlow one; a block for JAX (docs/jax.md) sets `KERAS_BACKEND` itself
 before importing Keras, as a reader's copy must, and so runs on JAX.
 
-One child per block (13 blocks, each a few seconds of work): a failure
+One child per block (8 blocks, each a few seconds of work): a failure
 names its block (`file:line`, the line of its opening fence) and shows the
 child's output. This module runs in the TensorFlow pass only (not in
 conftest.ON_JAX); it starts the JAX children itself.
@@ -64,7 +64,7 @@ BLOCKS = [
 def test_the_runner_finds_the_blocks():
     """The README and the docs hold python blocks, each with code, and no
     block is fenced as python that shows a console session (`>>>`, `$ `)."""
-    assert len(BLOCKS) >= 10
+    assert len(BLOCKS) >= 8
     assert any(p.id.startswith("README.md:") for p in BLOCKS)
     assert any(p.id.startswith("docs/") for p in BLOCKS)
     for p in BLOCKS:
@@ -78,7 +78,7 @@ def test_a_jax_block_sets_its_backend_before_importing_keras():
     """A block that uses JAX chooses the backend itself, before Keras is
     imported (a reader's copy has no KERAS_BACKEND in its environment)."""
     jax_blocks = [p for p in BLOCKS if re.search(r"^import jax\b", p.values[0], re.M)]
-    assert jax_blocks  # docs/jax.md's loop, the README's excerpt of it
+    assert jax_blocks  # docs/jax.md's loop
     for p in jax_blocks:
         code = p.values[0]
         choice = code.find('os.environ["KERAS_BACKEND"] = "jax"')
