@@ -33,8 +33,8 @@ def run_step(
         statistics: `(tensor, combine)` pairs of small per-replica statistics
             handed to `step_fn` after `grads`: each is gathered from every
             replica (stacked on a new first axis) and `combine`d.
-        replica_statistics: Optional `() -> (tensor, combine)`, statistics
-            taken only under a strategy (without one, the summed gradients
+        replica_statistics: Optional `() -> [(tensor, combine), ...]`,
+            statistics taken only under a strategy (without one, the summed gradients
             are this replica's own), gathered like `statistics` and handed to
             `step_fn` last.
 
@@ -52,7 +52,7 @@ def run_step(
         )
         return
     if replica_statistics is not None:
-        statistics = [*statistics, replica_statistics()]
+        statistics = [*statistics, *replica_statistics()]
     summed, gathered = _all_reduce(context, grads, statistics)
     context.merge_call(
         _step_once(step_fn, inner_optimizer, variables), args=(summed, gathered)

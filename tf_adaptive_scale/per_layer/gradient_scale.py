@@ -233,10 +233,24 @@ class _WeightUnits:
         return unit if held is variable else None
 
 
+# The tags a `ScaleTable` puts on its variables, read only here.
+
+def table_of_statistics(variable):
+    """The `ScaleTable` whose `statistics` `variable` is (its gradient is the
+    table's statistics), else None."""
+    return getattr(variable, "scale_table", None)
+
+
+def is_scale_state(variable):
+    """Whether `variable` is a `ScaleTable`'s scale state (its scales, caps
+    or measure flag): written by the optimizer, never given a gradient."""
+    return hasattr(variable, "scale_state")
+
+
 def written_by_optimizer(variable):
     """Whether `variable` belongs to a `ScaleTable` (its statistics or scale
     state): the optimizer writes it and never trains it."""
-    return hasattr(variable, "scale_table") or hasattr(variable, "scale_state")
+    return table_of_statistics(variable) is not None or is_scale_state(variable)
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")

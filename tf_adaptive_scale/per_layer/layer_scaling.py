@@ -10,7 +10,6 @@ from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.per_layer import gradient_scale as boundary
 from tf_adaptive_scale.numerics import gradient_statistics as stats
 from tf_adaptive_scale.rules import scale_policy
-from tf_adaptive_scale.per_layer import step_programs
 
 
 def unit_view(statistics, weight_max):
@@ -102,14 +101,16 @@ class TableStep:
             sits in the step's gradient list, and its unit.
         policy: The `scale_policy.PerLayerScaling` that sets the scales (with
             its `rule.layer_log2_scales`).
+        measuring: Whether the program being traced is the measuring one
+            (`step_programs.is_measuring`).
 
     Example:
 
-    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], policy)
+    >>> step = TableStep(table, statistics, [(0, 1), (1, 1)], policy, True)
     >>> new_state = step.step(state, observation, grads, scheduled)
     """
 
-    def __init__(self, table, statistics, members, policy):
+    def __init__(self, table, statistics, members, policy, measuring):
         self.table = table
         self.statistics = statistics
         self.positions = [p for p, _ in members]
@@ -120,8 +121,7 @@ class TableStep:
         ]
         # A plain program measures nothing: the table's request to measure
         # stands until a measuring program serves it (see `record`).
-        self.measured = (table.measure.value > 0 if step_programs.is_measuring()
-                         else ops.zeros((), "bool"))
+        self.measured = table.measure.value > 0 if measuring else ops.zeros((), "bool")
 
     def step(self, state, observation, grads, scheduled):
         """This table's part of a step, in its order: what the step saw,
@@ -252,7 +252,7 @@ class TableStep:
 def tables_of(var_list):
     """The instrumented models' tables among `var_list` (the optimizer's
     variables); a weight two of them claim is refused."""
-    tables = [v.scale_table for v in var_list if hasattr(v, "scale_table")]
+    tables = [t for t in map(boundary.table_of_statistics, var_list) if t is not None]
     for v in var_list:
         owners = [t for t in tables if t.unit_of(v) is not None]
         if len(owners) > 1:
@@ -266,7 +266,7 @@ def tables_of(var_list):
     return tables
 
 
-def table_steps(tables, statistics, variables, regular, policy):
+def table_steps(tables, statistics, variables, regular, policy, measuring):
     """One `TableStep` per table, on the step's gradients.
 
     Args:
@@ -275,6 +275,7 @@ def table_steps(tables, statistics, variables, regular, policy):
         variables: The step's variables.
         regular: Positions of the variables updated from their gradients.
         policy: The `scale_policy.PerLayerScaling`.
+        measuring: Whether the measuring program is traced.
 
     Returns:
         A list of `TableStep`s.
@@ -283,7 +284,7 @@ def table_steps(tables, statistics, variables, regular, policy):
     for table, table_statistics in zip(tables, statistics):
         units = [(i, table.unit_of(variables[i])) for i in regular]
         members = [(i, unit) for i, unit in units if unit is not None]
-        steps.append(TableStep(table, table_statistics, members, policy))
+        steps.append(TableStep(table, table_statistics, members, policy, measuring))
     return steps
 
 
@@ -299,8 +300,9 @@ def split_tables(pairs, policy):
         `(pairs, tables)`: the other pairs, and `(statistics, ScaleTable)`
         pairs.
     """
-    tables = [p for p in pairs if hasattr(p[1], "scale_table")]
-    rest = [p for p in pairs if not hasattr(p[1], "scale_table")]
+    tables = [(g, boundary.table_of_statistics(v)) for g, v in pairs
+              if boundary.table_of_statistics(v) is not None]
+    rest = [p for p in pairs if boundary.table_of_statistics(p[1]) is None]
     if policy is not None and policy.per_layer and not tables:
         raise ValueError(
             "scaling='per_layer' needs the gradients of a model made by "
@@ -313,4 +315,4 @@ def split_tables(pairs, policy):
             "scales): use AdaptiveLossScaleOptimizer(..., "
             f"scaling='per_layer'), not scaling={policy.name!r}."
         )
-    return rest, [(g, v.scale_table) for g, v in tables]
+    return rest, tables

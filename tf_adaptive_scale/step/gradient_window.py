@@ -59,27 +59,28 @@ class GradientWindow:
     Example:
 
     >>> window = GradientWindow(state, var_list, steps=4)
-    >>> last = window.add({0: grad}, 1.0, measurement, loss_finite)
+    >>> last = window.add({0: grad}, 1.0, [measurement], loss_finite)
     """
 
     def __init__(self, state, variables, steps):
         self.steps = steps
-        self.is_statistics = [hasattr(v, "scale_table") for v in variables]
+        self.is_statistics = [gradient_scale.table_of_statistics(v) is not None for v in variables]
         self.sums = [getattr(state, f"window_sum_{i}") for i in range(len(variables))]
         self.measurement = state.window_measurement
         self.count = state.window_count
         self.weight = state.window_weight
         self.loss_finite = state.window_loss_finite
 
-    def add(self, values, weight, measurement, loss_finite):
+    def add(self, values, weight, measurements, loss_finite):
         """Adds one micro-batch.
 
         Args:
             values: `{optimizer variable index: gradient or statistics}`,
                 gradients already times `weight`.
             weight: The micro-batch's weight (a float32 scalar).
-            measurement: Packed histogram, zeros and peak
-                (`gradient_statistics.combine_measurements`' rows).
+            measurements: The micro-batch's own packed histogram, zeros and
+                peak (`gradient_statistics.combine_measurements`' rows), as a
+                list: none where the mode measures otherwise (per layer).
             loss_finite: bool, this micro-batch's loss was finite.
 
         Returns:
@@ -90,26 +91,27 @@ class GradientWindow:
             self.sums[i].assign(
                 accumulate(self.sums[i].value, value, self.is_statistics[i])
             )
-        self.measurement.assign(
-            stats.combine_measurements(
-                ops.stack([self.measurement.value, measurement])
+        for measurement in measurements:
+            self.measurement.assign(
+                stats.combine_measurements(ops.stack([self.measurement.value, measurement]))
             )
-        )
         self.count.assign_add(1)
         self.weight.assign_add(ops.cast(weight, "float32"))
         self.loss_finite.assign(ops.logical_and(self.loss_finite.value, loss_finite))
         return last
 
-    def add_and_decide(self, values, weight, measurement, loss_finite, decide):
+    def add_and_decide(self, values, weight, measurements, loss_finite, decide):
         """Adds one micro-batch (see `add`); on the window's last, calls
-        `decide(contents, measurement, loss_finite)` for the whole window
+        `decide(contents, measurements, loss_finite)` for the whole window
         (`contents` as the method below: each replica reads its own copy of
         the sums) and empties the window.
         """
-        last = self.add(values, weight, measurement, loss_finite)
+        last = self.add(values, weight, measurements, loss_finite)
 
         def run():
-            decide(self.contents, self.measurement.value, self.loss_finite.value)
+            # The window's combined measurement, where micro-batches gave one.
+            decide(self.contents, [self.measurement.value] if measurements else [],
+                   self.loss_finite.value)
             self.reset()
 
         branching.cond(last, run, lambda: None)

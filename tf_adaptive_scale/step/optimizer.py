@@ -200,7 +200,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if trainable_variables is None:
             trainable_variables = keras_internals.built_variables(self)
         pairs = [(g, v) for g, v in zip(grads, trainable_variables)
-                 if g is not None and not hasattr(v, "scale_state")]
+                 if g is not None and not gradient_scale.is_scale_state(v)]
         if not pairs:
             return
         if not self.built:
@@ -211,12 +211,14 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         grads, variables = (list(x) for x in zip(*pairs))
         if self._policy is None:
             self.resolve_scaling(self._default_scaling(grads, tables))
+        mode = scale_step.for_policy(self._policy)
         backends.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, tables),
             self.inner_optimizer, grads, variables,
             statistics=[(g, gradient_scale.combine_replicas) for g, _ in tables],
-            replica_statistics=(lambda: self._packed_measurement(grads, variables))
-            if scale_step.for_policy(self._policy).measures_replicas else None,
+            replica_statistics=lambda: [
+                (m, stats.combine_measurements) for m in mode.own_measurements(
+                    lambda: self._packed_measurement(grads, variables))],
         )
 
     def _check_known(self, variables, all_of_them=False):
@@ -242,9 +244,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _packed_measurement(self, grads, variables):
         """This replica's (or micro-batch's) own packed measurement."""
         log2_scale = self._log2_gradient_scale(ops.round(ops.log2(self.dynamic_scale.value)))
-        return measurement.Measurement.packed(
-            [grads[i] for i in self._regular(variables)], log2_scale,
-        ), stats.combine_measurements
+        return measurement.Measurement.packed([grads[i] for i in self._regular(variables)],
+                                              log2_scale)
 
     def _default_scaling(self, grads, tables):
         """`scaling=None`, from the model: instrumented, or computing in
@@ -281,12 +282,9 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         for i in accumulation_model.normaliser_variables(inputs.variables):
             log2_scale = self._log2_gradient_scale(source.state.log2_scale)
             weight = inputs.grads[i] * stats.pow2(-log2_scale)
-        if not source.measures_replicas:  # per layer, the tables carry the statistics
-            packed = ops.zeros((measurement.PACKED_SIZE,))
-        elif inputs.packed:  # each replica's, combined
-            (packed,) = inputs.packed
-        else:
-            packed, _ = self._packed_measurement(inputs.grads, inputs.variables)
+        # Each replica's, combined, where a strategy measured them.
+        packed = inputs.packed or source.own_measurements(
+            lambda: self._packed_measurement(inputs.grads, inputs.variables))
         index = functools.partial(keras_internals.variable_index, self)
         rows = {i: index(inputs.variables[i]) for i in regular}
         statistics = [index(t.statistics) for _, t in inputs.tables]
@@ -304,7 +302,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 inputs._replace(
                     grads=window(inputs.grads),
                     table_grads=[contents(s) for s in statistics],
-                    packed=[window_packed] if source.measures_replicas else [],
+                    packed=window_packed,
                     already_unscaled=True,
                 ),
                 # Each replica reads its own copy of the window's sums.
@@ -319,8 +317,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _scale_step(self, inputs, regular):
         """The step's `scale_step.ScaleStep`, the mode's."""
         return scale_step.for_policy(self._policy)(
-            self._policy, self._step_state.scale_state(), [t for _, t in inputs.tables],
-            inputs.table_grads, inputs.variables, regular,
+            self._policy, self._step_state.scale_state(), scale_step.StepInputs(
+                [t for _, t in inputs.tables], inputs.table_grads, inputs.variables, regular),
         )
 
     def _log2_loss_scale(self, log2_current):

@@ -2,11 +2,18 @@
 
 The optimizer runs every step through one interface, `ScaleStep`, made by
 `for_policy`: `GlobalStep` (one scale, from the optimizer's own statistics)
-or `LayerStep` (an instrumented model's tables, `layer_scaling`). The step
-calls it in this order, each call taking what the one before returned:
+or `LayerStep` (an instrumented model's tables, `layer_scaling`). Everything
+that differs by mode is a method here; the optimizer asks no mode question.
+The step calls it in this order, each call taking what the one before
+returned: `own_measurements` (each replica's and micro-batch's),
 `log2_divisors` and `backward_finite` (before the update), `measured`, then
 `applies`, then `next_state` with the statistics the step recorded.
+
+A new granularity (one scale per block of layers, say) is a subclass
+registered in `_STEPS` under its policy's name (`scale_policy`).
 """
+
+from typing import NamedTuple
 
 from keras import ops
 
@@ -18,19 +25,23 @@ from tf_adaptive_scale.per_layer import step_programs
 class ScaleStep:
     """One step's scale source (the interface; `GlobalStep` implements it).
 
-    `measures_replicas`: whether the optimizer measures each replica's (and
-    micro-batch's) gradients for it, where float16 underflows.
-
     Args:
         policy: The mode's `scale_policy.Policy`.
         state: The optimizer's `ScaleState` the step runs with.
+        step: What the step holds (`StepInputs`).
     """
 
-    measures_replicas = True
-
-    def __init__(self, policy, state):
+    def __init__(self, policy, state, step):
         self.policy = policy
         self.state = state
+
+    @staticmethod
+    def own_measurements(measure):
+        """The optimizer's own measurements of each replica's (and
+        micro-batch's) gradients this mode reads: `[measure()]` (a packed
+        histogram, zeros and peak, `measurement.Measurement.packed`), where
+        float16 underflows, before the replicas' gradients are summed."""
+        return [measure()]
 
     def log2_divisors(self):
         """`{position: log2}`: what divides a gradient besides the loss's
@@ -68,10 +79,7 @@ class ScaleStep:
 
 class GlobalStep(ScaleStep):
     """One scale for every gradient, set from the optimizer's statistics
-    (`ScaleStep`'s arguments; a per-layer source's others are ignored)."""
-
-    def __init__(self, policy, state, *per_layer):
-        super().__init__(policy, state)
+    (`ScaleStep`'s arguments)."""
 
     def next_state(self, observation, unscaled, latest):
         proposed, seen = self.policy.rule.proposal(latest.histogram, latest.max_abs)
@@ -87,17 +95,19 @@ class LayerStep(ScaleStep):
     Args:
         policy: The `scale_policy.PerLayerScaling`.
         state: The optimizer's `ScaleState` (its scalar fields).
-        tables: The `ScaleTable`s whose statistics this step received.
-        statistics: Their statistics, in the same order.
-        variables: The step's variables.
-        regular: Positions of the variables updated from their gradients.
+        step: What the step holds (`StepInputs`): the tables' statistics.
     """
 
-    measures_replicas = False  # the tables' statistics do
+    def __init__(self, policy, state, step):
+        super().__init__(policy, state, step)
+        # Read once, where the program is traced: measuring or plain.
+        self.measuring = step_programs.is_measuring()
+        self.tables = layer_scaling.table_steps(
+            step.tables, step.statistics, step.variables, step.regular, policy, self.measuring)
 
-    def __init__(self, policy, state, tables, statistics, variables, regular):
-        super().__init__(policy, state)
-        self.tables = layer_scaling.table_steps(tables, statistics, variables, regular, policy)
+    @staticmethod
+    def own_measurements(measure):
+        return []  # the tables' statistics measure each replica's gradients
 
     def log2_divisors(self):
         divisors = {}
@@ -111,7 +121,7 @@ class LayerStep(ScaleStep):
     def measured(self, wanted):
         # A plain program (`step_programs`) records no statistics: False
         # when traced, so that it writes none (`Measurement.record`).
-        return wanted if step_programs.is_measuring() else False
+        return wanted if self.measuring else False
 
     def applies(self, finite, measured, seen):
         # A unit that saw nothing rises on its own; the step is applied.
@@ -131,10 +141,29 @@ class LayerStep(ScaleStep):
         )
 
 
+class StepInputs(NamedTuple):
+    """What one step holds, for any `ScaleStep`.
+
+    Attributes:
+        tables: The `ScaleTable`s whose statistics this step received.
+        statistics: Their statistics, in the same order.
+        variables: The step's variables.
+        regular: Positions of the variables updated from their gradients.
+    """
+
+    tables: list
+    statistics: list
+    variables: list
+    regular: list
+
+
+# The granularities other than one global scale, by policy name.
+_STEPS = {"per_layer": LayerStep}
+
+
 def for_policy(policy):
-    """The `ScaleStep` class of a mode: `LayerStep` per layer, else
-    `GlobalStep` (made with `LayerStep`'s arguments)."""
-    return LayerStep if policy.per_layer else GlobalStep
+    """The `ScaleStep` class of a mode: its own (`_STEPS`), else `GlobalStep`."""
+    return _STEPS.get(policy.name, GlobalStep)
 
 
 def observation(finite, loss_finite, measured):

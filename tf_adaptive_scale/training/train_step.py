@@ -12,6 +12,7 @@ from keras import ops
 from tf_adaptive_scale.step import gradient_window
 from tf_adaptive_scale.step import loss_normaliser
 from tf_adaptive_scale.backend import sparse_gradients as sparse
+from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.per_layer import step_programs
 from tf_adaptive_scale.numerics import validation
 from tf_adaptive_scale.backend.distribution import replica_weight
@@ -99,12 +100,9 @@ class _TrainStep:
         if not optimizer.built:
             with self.strategy.scope():
                 optimizer.build(model.trainable_variables)
-        self._is_statistics = [
-            hasattr(v, "scale_table") for v in model.trainable_variables
-        ]
-        self._tables = [
-            v.scale_table for v in model.trainable_variables if hasattr(v, "scale_table")
-        ]
+        tables = [gradient_scale.table_of_statistics(v) for v in model.trainable_variables]
+        self._is_statistics = [t is not None for t in tables]
+        self._tables = [t for t in tables if t is not None]
         # Per layer, two programs: one for the steps the optimizer measures
         # (every `update_every`, counted here), one for the others.
         self._programs = step_programs.ScheduledPrograms(
