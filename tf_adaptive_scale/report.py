@@ -31,8 +31,8 @@ import warnings
 
 import numpy as np
 
-from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.monitor import monitor_log
+from tf_adaptive_scale.numerics import float16
 
 # Fewer reports than this are drawn with a marker at each (one point draws
 # no line).

@@ -50,8 +50,8 @@ from keras import ops
 from tf_adaptive_scale.backend import backends
 from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.numerics import gradient_statistics as stats
-from tf_adaptive_scale.per_layer import step_programs
 from tf_adaptive_scale.numerics import validation
+from tf_adaptive_scale.per_layer import step_programs
 
 OUTPUT_MAX = stats.NUM_BINS
 INPUT_MAX = OUTPUT_MAX + 1

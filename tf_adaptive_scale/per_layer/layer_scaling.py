@@ -7,8 +7,8 @@
 from keras import ops
 
 from tf_adaptive_scale.numerics import float16
-from tf_adaptive_scale.per_layer import gradient_scale as boundary
 from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.per_layer import gradient_scale as boundary
 from tf_adaptive_scale.rules import scale_policy
 
 

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 from keras import ops
 
-from tf_adaptive_scale.rules import adaptive_rule
 from tf_adaptive_scale.numerics import float16
+from tf_adaptive_scale.rules import adaptive_rule
 
 # Binades a scale rises when a measurement saw no nonzero gradient at all
 # (everything may have underflowed).

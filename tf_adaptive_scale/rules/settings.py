@@ -12,11 +12,11 @@ import math
 
 import keras
 
+from tf_adaptive_scale.numerics import float16
+from tf_adaptive_scale.numerics import validation
 from tf_adaptive_scale.rules import adaptive_rule
 from tf_adaptive_scale.rules import clipping
-from tf_adaptive_scale.numerics import float16
 from tf_adaptive_scale.rules import scale_policy
-from tf_adaptive_scale.numerics import validation
 
 _optional_float = functools.partial(validation.positive_float, allow_none=True)
 # The arguments that make the default clipping chain.

@@ -11,10 +11,10 @@ largest.
 from keras import ops
 
 from tf_adaptive_scale.backend import branching
-from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.numerics import gradient_statistics as stats
-from tf_adaptive_scale.step import measurement
+from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.rules.optimizer_state import StateVariable
+from tf_adaptive_scale.step import measurement
 
 
 def accumulate(total, value, is_statistics):

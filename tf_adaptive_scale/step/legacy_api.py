@@ -4,8 +4,8 @@ loops written for tf-keras's `LossScaleOptimizer`."""
 import keras
 
 from tf_adaptive_scale.backend import backends
-from tf_adaptive_scale.numerics import gradient_statistics as stats
 from tf_adaptive_scale.backend import sparse_gradients as sparse
+from tf_adaptive_scale.numerics import gradient_statistics as stats
 
 
 def check_unscaling(policy):

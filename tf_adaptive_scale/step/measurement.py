@@ -15,12 +15,12 @@ import numpy as np
 from keras import ops
 
 from tf_adaptive_scale.backend import backends
-from tf_adaptive_scale.numerics import float16
-from tf_adaptive_scale.per_layer import gradient_scale
-from tf_adaptive_scale.numerics import gradient_statistics as stats
 from tf_adaptive_scale.backend import keras_internals
-from tf_adaptive_scale.step import layer_names
+from tf_adaptive_scale.numerics import float16
+from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.rules.optimizer_state import StateVariable
+from tf_adaptive_scale.step import layer_names
 
 # Packed per-replica (or per-micro-batch) measurement: histogram, zeros, peak.
 PACKED_SIZE = float16.NUM_BINS + 2

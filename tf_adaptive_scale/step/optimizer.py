@@ -11,24 +11,24 @@ from keras import ops
 
 from tf_adaptive_scale.backend import backends
 from tf_adaptive_scale.backend import branching
-from tf_adaptive_scale.rules import clipping
-from tf_adaptive_scale.step import accumulation_model
-from tf_adaptive_scale.per_layer import gradient_scale
-from tf_adaptive_scale.numerics import gradient_statistics as stats
-from tf_adaptive_scale.step import gradient_window
 from tf_adaptive_scale.backend import keras_internals
-from tf_adaptive_scale.step import layer_names
+from tf_adaptive_scale.backend import sparse_gradients as sparse
+from tf_adaptive_scale.numerics import gradient_statistics as stats
+from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.per_layer import layer_scaling
-from tf_adaptive_scale.step import legacy_api
-from tf_adaptive_scale.step import measurement
+from tf_adaptive_scale.rules import clipping
 from tf_adaptive_scale.rules import optimizer_state
 from tf_adaptive_scale.rules import scale_policy
-from tf_adaptive_scale.step import scale_step
 from tf_adaptive_scale.rules import settings as settings_lib
-from tf_adaptive_scale.backend import sparse_gradients as sparse
+from tf_adaptive_scale.rules.optimizer_state import StateVariable
+from tf_adaptive_scale.step import accumulation_model
+from tf_adaptive_scale.step import gradient_window
+from tf_adaptive_scale.step import layer_names
+from tf_adaptive_scale.step import legacy_api
+from tf_adaptive_scale.step import measurement
+from tf_adaptive_scale.step import scale_step
 from tf_adaptive_scale.step import step_state
 from tf_adaptive_scale.step import stock_state
-from tf_adaptive_scale.rules.optimizer_state import StateVariable
 
 
 @keras.saving.register_keras_serializable(package="tf_adaptive_scale")
@@ -49,10 +49,17 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     5. The mode's policy (`scale_policy`) turns what the step saw into the
        next scale, which is written to the optimizer's variables.
 
-    Arguments and state variables read as attributes (`update_every`,
-    `measurements`; the variables are listed by `declared_state()`);
-    `iterations` counts applied steps only. The rules are in
-    docs/arguments.md ("Arguments", "The adaptive rule") and docs/per_layer.md.
+    What a user reads, beside Keras's `LossScaleOptimizer`'s: every argument
+    as an attribute (`update_every`; all in `settings`) and the mode's
+    `policy`; the state variables (`loss_scale`, `skipped_steps`,
+    `measurements`, ...: docs/monitor.md, "What you can read";
+    `declared_state()` lists them; `scale_window` is worked out when read);
+    `read()`, `layer_scales()`, `gradient_scales()`, `stalled_layers()`,
+    `check_progress()` and `name_layers(model)`; the step protocol's
+    `scale_loss`, `observe_loss` and `apply`, and tf-keras's
+    `get_scaled_loss`/`get_unscaled_gradients`. `iterations` counts applied
+    steps only. The rules are in docs/arguments.md ("Arguments", "The
+    adaptive rule") and docs/per_layer.md.
 
     Args:
         inner_optimizer: The `keras.optimizers.Optimizer` to wrap.
@@ -85,10 +92,10 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._policy = None
         self._layer_names = _LayerNames()
         self._state = optimizer_state.DeclaredState(self)
-        self._state.make(_protocol_state(self.initial_scale))
+        self._protocol = self._state.make(_protocol_state(self.initial_scale))
         self._state.pack()
         if scaling is not None:
-            self.resolve_scaling(scaling)
+            self._resolve_scaling(scaling)
     __init__.__signature__ = settings_lib.signature()  # for help() and IDEs
 
     def __getattr__(self, name):
@@ -111,7 +118,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         resolved)."""
         rule = (self._policy.rule if self._policy is not None
                 else self.settings.policy("adaptive").rule)
-        window = rule.bounds(self.gradient_histogram.value, self.gradient_max.value)
+        window = rule.bounds(self._measurement.gradient_histogram.value,
+                             self._measurement.gradient_max.value)
         return np.array([float(bound) for bound in window], "float32")
 
     @property
@@ -119,7 +127,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """The mode's `scale_policy.Policy` (None until resolved)."""
         return self._policy
 
-    def resolve_scaling(self, scaling):
+    def _resolve_scaling(self, scaling):
         """Fixes the mode (in `scale_policy.SCALING_MODES`) of an optimizer made
         with `scaling=None` (at the first step, or by an instrumented model)."""
         if self._policy is not None and self._policy.name != scaling:
@@ -144,7 +152,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         make = self._state.make
         self._step_state = step_state.StepState(make(step_state.declared(n)), self.dynamic_scale)
         self._measurement = measurement.Measurement(make(measurement.declared(n)))
-        make(_CLIPPING_STATE)
+        self._clipping_state = make(_CLIPPING_STATE)
         taken = [spec.name for spec in self._state.specs]
         for clipper, prefix in zip(self._clippers,
                                    clipping.state_prefixes(self._clippers, n, taken)):
@@ -162,7 +170,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if self._policy is None and not backends.TENSORFLOW:
             # Decided now, eagerly: a JAX trace has no graph to read, and
             # `scale_loss` must use the mode's scale from the first step on.
-            self.resolve_scaling(self._default_scaling([], self._scale_tables))
+            self._resolve_scaling(self._default_scaling([], self._scale_tables))
 
     @property
     def loss_scale(self):
@@ -179,7 +187,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         loss = _float_tensor(loss)
         self.observe_loss(loss)
         scale = self.dynamic_scale.value
-        self.loss_scale_used.assign(scale)
+        self._protocol.loss_scale_used.assign(scale)
         return ops.cast(ops.cast(loss, "float32") * scale, loss.dtype)
 
     @backends.not_converted
@@ -188,8 +196,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         `scale_loss` does besides scaling, noting whether `loss` is finite."""
         # Summed over replicas: a non-finite loss on any one is noted.
         finite = ops.all(ops.isfinite(_float_tensor(loss)))
-        self.non_finite_losses.assign(ops.cast(ops.logical_not(finite), "float32"))
-        self.gradients_unscaled.assign(False)
+        self._protocol.non_finite_losses.assign(ops.cast(ops.logical_not(finite), "float32"))
+        self._protocol.gradients_unscaled.assign(False)
 
     @backends.not_converted
     def apply(self, grads, trainable_variables=None):
@@ -210,7 +218,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         pairs, tables = layer_scaling.split_tables(pairs, self._policy)
         grads, variables = (list(x) for x in zip(*pairs))
         if self._policy is None:
-            self.resolve_scaling(self._default_scaling(grads, tables))
+            self._resolve_scaling(self._default_scaling(grads, tables))
         mode = scale_step.for_policy(self._policy)
         backends.run_step(
             lambda g, apply_fn: self._step(g, variables, apply_fn, tables),
@@ -263,12 +271,12 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         step(
             _Inputs(grads[:n], grads[n : n + t], grads[n + t :], variables, False, tables),
             apply_fn,
-            ops.equal(self.non_finite_losses.value, 0.0),
+            ops.equal(self._protocol.non_finite_losses.value, 0.0),
         )
         # This step's notes are used up (see `scale_loss`).
-        self.non_finite_losses.assign(0.0)
-        self.loss_scale_used.assign(0.0)
-        self.gradients_unscaled.assign(False)
+        self._protocol.non_finite_losses.assign(0.0)
+        self._protocol.loss_scale_used.assign(0.0)
+        self._protocol.gradients_unscaled.assign(False)
 
     def _add_to_window(self, inputs, apply_fn, loss_finite):
         """Adds one micro-batch to the window (its unscaled gradients and
@@ -325,7 +333,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """The scale `scale_loss` used this step, else the current one (a
         loss scaled by `loss_scale` directly): they differ only on the step
         that resolves `scaling=None`."""
-        used = self.loss_scale_used.value
+        used = self._protocol.loss_scale_used.value
         return ops.where(
             used > 0, ops.round(ops.log2(ops.maximum(used, 2.0**-126))), log2_current,
         )
@@ -334,7 +342,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """The scale the gradients `apply` receives carry: the loss's, or 1
         where `get_unscaled_gradients` divided them already."""
         return ops.where(
-            self.gradients_unscaled.value, 0.0, self._log2_loss_scale(log2_current)
+            self._protocol.gradients_unscaled.value, 0.0, self._log2_loss_scale(log2_current)
         )
 
     def _log2_divisors(self, source, regular):
@@ -421,7 +429,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             apply_fn(applied, lambda grads: transform(grads)[1])
             if commit_clipping is not None:
                 commit_clipping()
-                self.clipped_steps.assign_add(ops.cast(acted, backends.COUNTER_DTYPE))
+                self._clipping_state.clipped_steps.assign_add(ops.cast(acted, backends.COUNTER_DTYPE))
 
         def on_non_finite():
             self._step_state.skipped_steps.assign_add(1)
@@ -550,7 +558,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         legacy_api.check_unscaling(self.policy)
         log2_current = ops.round(ops.log2(self.dynamic_scale.value))
-        self.gradients_unscaled.assign(True)
+        self._protocol.gradients_unscaled.assign(True)
         return legacy_api.unscaled(grads, self._log2_loss_scale(log2_current))
 
     # Host-side reads of what the optimizer measured and counted.
@@ -565,7 +573,7 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         state = self._step_state
         return measurement.read(
             self._measurement, self.dynamic_scale, state.total_steps, state.skipped_steps,
-            state.last_loss_finite, self.clipped_steps, self.policy, self.gradient_scales(),
+            state.last_loss_finite, self._clipping_state.clipped_steps, self.policy, self.gradient_scales(),
         )
 
     def gradient_scales(self):
@@ -595,7 +603,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def stalled_layers(self):
         """The layers whose gradients were not finite on the last skipped
         step, nearest the loss last."""
-        return measurement.stalled_layers(self.non_finite_gradients, self.gradient_scales())
+        return measurement.stalled_layers(self._step_state.non_finite_gradients,
+                                           self.gradient_scales())
 
     def check_progress(self):
         """Raises `SkippedStepsError`, saying why and where, after
@@ -606,33 +615,19 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             SkippedStepsError: When the limit is reached.
         """
         limit = self.max_consecutive_skips
-        skips = int(self.consecutive_skips.numpy()) if self.built else 0
+        state = self._step_state if self.built else None
+        skips = int(state.consecutive_skips.numpy()) if self.built else 0
         if limit is not None and skips >= limit:
             raise measurement.SkippedStepsError(measurement.stall_report(
-                skips, int(self.total_steps.numpy()), limit,
-                bool(self.last_loss_finite.numpy()), self.stalled_layers(),
+                skips, int(state.total_steps.numpy()), limit,
+                bool(state.last_loss_finite.numpy()), self.stalled_layers(),
             ))
-
-    def micro_batches_taken(self):
-        """Micro-batches taken so far, read on the host: steps (applied and
-        skipped) times `accumulation_steps`, and the open window's. Where a
-        step count kept on the host starts (`step_programs.Schedule`)."""
-        if not self.built:
-            return 0
-        window = getattr(self, "_window", None)
-        open_window = 0 if window is None else int(window.count.numpy())
-        return int(self.total_steps.numpy()) * self.accumulation_steps + open_window
-
-    def scale_tables(self):
-        """The instrumented models' `ScaleTable`s among the variables this
-        optimizer was built for (empty before `build`)."""
-        return list(getattr(self, "_scale_tables", []))
 
     def layer_scales(self):
         """The current per-layer scales by layer name (per-layer mode), as
         Python floats; empty before the first step."""
         scales = {}
-        for table in self.scale_tables():
+        for table in scale_tables(self):
             scales.update(table.scales())
         return scales
 
@@ -728,3 +723,31 @@ def _float_tensor(loss):
     if not keras.backend.is_float_dtype(loss.dtype):
         loss = ops.cast(loss, "float32")
     return loss
+
+
+# What the library's own modules (`instrument`, `train_step`) read and set on
+# an optimizer: kept off the surface a user reads.
+
+
+def resolve_scaling(optimizer, scaling):
+    """Fixes the mode (in `scale_policy.SCALING_MODES`) of an optimizer made
+    with `scaling=None`: an instrumented model does, at `compile`."""
+    optimizer._resolve_scaling(scaling)
+
+
+def micro_batches_taken(optimizer):
+    """Micro-batches `optimizer` took so far, read on the host: steps
+    (applied and skipped) times `accumulation_steps`, and the open window's.
+    Where a step count kept on the host starts (`step_programs.Schedule`)."""
+    if not optimizer.built:
+        return 0
+    window = getattr(optimizer, "_window", None)
+    open_window = 0 if window is None else int(window.count.numpy())
+    steps = int(optimizer._step_state.total_steps.numpy())
+    return steps * optimizer.accumulation_steps + open_window
+
+
+def scale_tables(optimizer):
+    """The instrumented models' `ScaleTable`s among the variables
+    `optimizer` was built for (empty before `build`)."""
+    return list(getattr(optimizer, "_scale_tables", []))

@@ -18,8 +18,8 @@ from typing import NamedTuple
 from keras import ops
 
 from tf_adaptive_scale.per_layer import layer_scaling
-from tf_adaptive_scale.rules import scale_policy
 from tf_adaptive_scale.per_layer import step_programs
+from tf_adaptive_scale.rules import scale_policy
 
 
 class ScaleStep:

@@ -1,17 +1,20 @@
 """`instrument`: places gradient-scale boundaries on every edge of a model."""
 
+import functools
+
 import keras
 
 from tf_adaptive_scale.backend import backends
-from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.backend import keras_internals
-from tf_adaptive_scale.rules import scale_policy
-from tf_adaptive_scale.per_layer import step_programs
 from tf_adaptive_scale.numerics import validation
+from tf_adaptive_scale.per_layer import gradient_scale
+from tf_adaptive_scale.per_layer import step_programs
+from tf_adaptive_scale.rules import scale_policy
 
-from tf_adaptive_scale.per_layer.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.per_layer.gradient_scale import GradientScale
+from tf_adaptive_scale.per_layer.gradient_scale import LOSS_UNIT
 from tf_adaptive_scale.per_layer.gradient_scale import ScaleTable
+from tf_adaptive_scale.step import optimizer as optimizer_lib
 from tf_adaptive_scale.step.optimizer import AdaptiveLossScaleOptimizer
 
 
@@ -310,7 +313,7 @@ class InstrumentedModel(keras.Model):
         optimizer (`optimizer=None`), for `evaluate`/`predict` only."""
         ours = isinstance(optimizer, AdaptiveLossScaleOptimizer)
         if ours and optimizer.policy is None:
-            optimizer.resolve_scaling(scale_policy.PerLayerScaling.name)
+            optimizer_lib.resolve_scaling(optimizer, scale_policy.PerLayerScaling.name)
         if optimizer is not None and not (ours and optimizer.policy.per_layer):
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
@@ -362,7 +365,7 @@ class InstrumentedModel(keras.Model):
             return super().make_train_function(force)
         schedule = step_programs.Schedule(
             optimizer.update_every, self.steps_per_execution, optimizer.accumulation_steps,
-            start=optimizer.micro_batches_taken)
+            start=functools.partial(optimizer_lib.micro_batches_taken, optimizer))
 
         def make():
             # A step function of its own per program: JAX caches traces by
@@ -398,7 +401,7 @@ class _RestartSchedule(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         function = self.model.train_function
         if isinstance(function, step_programs.ScheduledPrograms):
-            function.schedule.restart(self.model.optimizer.micro_batches_taken())
+            function.schedule.restart(optimizer_lib.micro_batches_taken(self.model.optimizer))
 
 
 def _is_graph(model):

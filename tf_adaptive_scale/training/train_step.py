@@ -9,13 +9,14 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tf_adaptive_scale.step import gradient_window
-from tf_adaptive_scale.step import loss_normaliser
 from tf_adaptive_scale.backend import sparse_gradients as sparse
+from tf_adaptive_scale.backend.distribution import replica_weight
+from tf_adaptive_scale.numerics import validation
 from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.per_layer import step_programs
-from tf_adaptive_scale.numerics import validation
-from tf_adaptive_scale.backend.distribution import replica_weight
+from tf_adaptive_scale.step import gradient_window
+from tf_adaptive_scale.step import loss_normaliser
+from tf_adaptive_scale.step import optimizer as optimizer_lib
 from tf_adaptive_scale.step.optimizer import AdaptiveLossScaleOptimizer
 
 
@@ -107,8 +108,9 @@ class _TrainStep:
         # (every `update_every`, counted here), one for the others.
         self._programs = step_programs.ScheduledPrograms(
             functools.partial(self._compile, jit_compile),
-            step_programs.Schedule(optimizer.update_every if self._tables else 1,
-                                   start=optimizer.micro_batches_taken),
+            step_programs.Schedule(
+                optimizer.update_every if self._tables else 1,
+                start=functools.partial(optimizer_lib.micro_batches_taken, optimizer)),
         )
 
     def _compile(self, jit_compile):
@@ -370,7 +372,7 @@ def compile_step(fn, optimizer, *, jit_compile=True):
             "`optimizer` must be a built tas.AdaptiveLossScaleOptimizer: call "
             f"optimizer.build(model.trainable_variables) first. Received: {optimizer!r}"
         )
-    flags = [t.measure for t in optimizer.scale_tables()]
+    flags = [t.measure for t in optimizer_lib.scale_tables(optimizer)]
 
     def traced(*args, **kwargs):
         outputs = {"outputs": fn(*args, **kwargs)}
@@ -380,8 +382,9 @@ def compile_step(fn, optimizer, *, jit_compile=True):
 
     programs = step_programs.ScheduledPrograms(
         lambda: tf.function(traced, jit_compile=jit_compile, autograph=False),
-        step_programs.Schedule(optimizer.update_every if flags else 1,
-                               start=optimizer.micro_batches_taken),
+        step_programs.Schedule(
+            optimizer.update_every if flags else 1,
+            start=functools.partial(optimizer_lib.micro_batches_taken, optimizer)),
     )
     return lambda *args, **kwargs: programs(*args, **kwargs)["outputs"]
 
