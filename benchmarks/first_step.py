@@ -7,9 +7,10 @@ for starting XLA, later ones find caches warm. Here every sample is a new
 Python process that builds one model and times its `compile`
 (`mixed_float16`, `Adam()`, XLA unless `--no-xla`) and first
 `train_on_batch`; the variants alternate, in a fresh random order each
-round, and the ratios of the medians to stock's are printed as Markdown.
+round (`timing.interleave`), and the ratios of the medians to stock's are
+printed as Markdown.
 
-Run: PYTHONPATH=. python benchmarks/first_step.py [--families mlp,cnn,unet,transformer]
+Run: python -m benchmarks.first_step [--families mlp,cnn,unet,transformer]
      [--rounds 3] [--no-xla]
 """
 
@@ -20,7 +21,7 @@ import random
 import subprocess
 import sys
 
-import numpy as np
+from benchmarks import timing
 
 # step_cost.VARIANTS names.
 VARIANTS = ("stock", "adaptive", "per_layer_100")
@@ -33,15 +34,14 @@ def first_step(family, variant, jit_compile):
 
     import keras
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import step_cost
-
     import tf_adaptive_scale as tas
+    from benchmarks import step_cost
+    from benchmarks import zoo
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    model, shape = step_cost.FAMILIES[family]()
-    batch = step_cost.batch_for(model, shape, 0)
+    model, shape = zoo.FAMILIES[family]()
+    batch = zoo.batch_for(model, shape, 0)
     instrumented, make_optimizer = step_cost.VARIANTS[variant]
     if instrumented:
         model = tas.instrument(model)
@@ -59,7 +59,7 @@ def first_step(family, variant, jit_compile):
 
 def _sample(family, variant, jit_compile):
     code = (
-        "import json, sys; sys.path.insert(0, 'benchmarks'); import first_step; "
+        "import json; from benchmarks import first_step; "
         f"print('FIRST', json.dumps(first_step.first_step({family!r}, {variant!r}, "
         f"{jit_compile!r})))"
     )
@@ -84,13 +84,9 @@ def main(argv=None):
     print("|---|---|---|---|")
     shuffler = random.Random(0)
     for family in args.families.split(","):
-        seconds = {v: [] for v in VARIANTS}
-        for _ in range(args.rounds):
-            order = list(VARIANTS)
-            shuffler.shuffle(order)
-            for variant in order:
-                seconds[variant].append(_sample(family, variant, args.xla))
-        median = {v: float(np.median(s)) for v, s in seconds.items()}
+        samples = {v: (lambda v=v: _sample(family, v, args.xla)) for v in VARIANTS}
+        # The seconds each child measured, not the child's whole life.
+        median = timing.medians(timing.interleave(samples, args.rounds, shuffler), "value")
         print(f"| {family} | {median['stock']:.2f} | "
               f"{median['adaptive'] / median['stock']:.2f} | "
               f"{median['per_layer_100'] / median['stock']:.2f} |", flush=True)

@@ -23,14 +23,15 @@ Three sections (`--sections steps,unet,precision`), printed as Markdown:
 `--tiny` runs the same code at CPU sizes (JAX on CPU has no float16
 attention: the transformer families need a GPU).
 
-Run: KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/gpu_check.py [--tiny]
+The models are `zoo`'s (which, like `timing` and `hlo`, imports no
+TensorFlow).
+
+Run: KERAS_BACKEND=jax python -m benchmarks.gpu_check [--tiny]
      [--sections steps,unet,precision] [--families resnet50,transformer] [--rounds 20]
 """
 
 import argparse
 import os
-import random
-import re
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -38,29 +39,19 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from keras import layers  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
+from benchmarks import hlo  # noqa: E402
+from benchmarks import timing  # noqa: E402
+from benchmarks import zoo  # noqa: E402
 
 STEPS = 20
 
 
 def unet(height, width):
-    # Not step_cost.py's: that module needs TensorFlow (timing.py), which the
-    # GPU machine lacks; and this one's head is a per-pixel map.
-    x = keras.Input((height, width, 3))
-    skips, h = [], x
-    for channels in (8, 16):
-        h = layers.Conv2D(channels, 3, padding="same", activation="relu")(h)
-        skips.append(h)
-        h = layers.MaxPooling2D()(h)
-    h = layers.Conv2D(32, 3, padding="same", activation="relu")(h)
-    for channels, skip in zip((16, 8), reversed(skips)):
-        h = layers.Conv2DTranspose(channels, 2, strides=2)(h)
-        h = layers.Concatenate()([h, skip])
-        h = layers.Conv2D(channels, 3, padding="same", activation="relu")(h)
-    h = layers.Conv2D(1, 1, name="head")(h)
-    return keras.Model(x, layers.Activation("linear", dtype="float32")(h))
+    """The U-Net with a per-pixel map for head."""
+    return zoo.unet((height, width, 3), widths=(8, 16), bottom=32, head="map",
+                    names={"map": "head"})
 
 
 def sum_loss(y_true, y_pred):
@@ -169,34 +160,22 @@ def unet_row(images, height, width):
     return rows
 
 
-def resnet50(tiny):
-    size, batch = (32, 2) if tiny else (224, 128)
-    model = keras.applications.ResNet50(
-        weights=None, input_shape=(size, size, 3), classes=1000, classifier_activation=None)
-    return model, (batch, size, size, 3)
+def _application(architecture):
+    def build(tiny):
+        size, batch = (32, 2) if tiny else (224, 128)
+        return zoo.application(architecture, size, classes=1000), (batch, size, size, 3)
 
-
-def mobilenetv2(tiny):
-    size, batch = (32, 2) if tiny else (224, 128)
-    model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(size, size, 3), classes=1000, classifier_activation=None)
-    return model, (batch, size, size, 3)
+    return build
 
 
 def transformer(tiny, blocks=4):
     batch, tokens, width = (2, 32, 64) if tiny else (64, 512, 512)
-    x = keras.Input((tokens,), dtype="int32")
-    h = layers.Embedding(1000, width)(x)
-    for _ in range(blocks):
-        a = layers.MultiHeadAttention(8, width // 8)(h, h)
-        h = layers.LayerNormalization()(layers.Add()([h, a]))
-        f = layers.Dense(4 * width, activation="gelu")(h)
-        h = layers.LayerNormalization()(layers.Add()([h, layers.Dense(width)(f)]))
-    h = layers.GlobalAveragePooling1D()(h)
-    return keras.Model(x, layers.Dense(1000)(h)), (batch, tokens)
+    model = zoo.transformer(tokens, width, blocks, heads=8, outputs=1000)
+    return model, (batch, tokens)
 
 
-FAMILIES = {"resnet50": resnet50, "transformer": transformer, "mobilenetv2": mobilenetv2}
+FAMILIES = {"resnet50": _application("ResNet50"), "transformer": transformer,
+            "mobilenetv2": _application("MobileNetV2")}
 MODES = {
     "stock": lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()),
     "adaptive": lambda: tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam()),
@@ -207,11 +186,6 @@ MODES = {
 }
 
 
-def conditionals(hlo):
-    """The number of `conditional` instructions in an HLO module's text."""
-    return len(re.findall(r"\sconditional\(", hlo))
-
-
 def compiled_step(model, optimizer, x, y):
     """fit's step, compiled as Keras compiles it on JAX (state donated):
     the executable, the state it takes, the seconds its trace and compile
@@ -219,12 +193,10 @@ def compiled_step(model, optimizer, x, y):
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=True)
     model._symbolic_build(data_batch=(x, y))  # what fit does first; no public API
-    state = tuple([v.value for v in variables] for variables in (
-        model.trainable_variables, model.non_trainable_variables,
-        model.optimizer.variables, model.metrics_variables))
+    state = hlo.fit_state(model)
     began = time.perf_counter()
     step = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y)).compile()
-    return step, state, time.perf_counter() - began, conditionals(step.as_text())
+    return step, state, time.perf_counter() - began, hlo.conditionals(step.as_text())
 
 
 def step_table(family, tiny, rounds):
@@ -251,16 +223,16 @@ def step_table(family, tiny, rounds):
             model = tas.instrument(model)
         steps[mode], states[mode], compiled[mode], found[mode] = compiled_step(
             model, optimizer(), x, y)
-    times = {mode: [] for mode in MODES}
-    order = list(MODES)
-    for i in range(rounds + 3):  # three warm-up rounds
-        random.shuffle(order)
-        for mode in order:
-            began = time.perf_counter()
+
+    def step(mode):
+        def run():
             logs, states[mode] = steps[mode](states[mode], (x, y))
             jax.block_until_ready(logs)
-            if i >= 3:
-                times[mode].append(time.perf_counter() - began)
+
+        return run
+
+    times = timing.interleave({mode: step(mode) for mode in MODES}, rounds, seed=None, warmup=3)
+    times = {mode: t["wall"] for mode, t in times.items()}
     stock = np.median(times["stock"])
     q1, q3 = np.percentile(times["stock"], [25, 75])
     rows = []
@@ -271,17 +243,15 @@ def step_table(family, tiny, rounds):
     return rows
 
 
+TOKEN_NAMES = {"embedding": "token_embedding", "attention": "attention_{i}",
+               "norm_attention": "norm_{i}a", "ffn_in": "ffn_{i}_in", "ffn_out": "ffn_{i}_out",
+               "norm_ffn": "norm_{i}b", "logits": "logits"}
+
+
 def token_model(tokens_per_row=256, width=128, vocab=1024):
-    x = keras.Input((tokens_per_row,), dtype="int32")
-    h = layers.Embedding(vocab, width, name="token_embedding")(x)
-    for i in range(2):
-        a = layers.MultiHeadAttention(4, width // 4, name=f"attention_{i}")(h, h)
-        h = layers.LayerNormalization(name=f"norm_{i}a")(layers.Add()([h, a]))
-        f = layers.Dense(4 * width, activation="gelu", name=f"ffn_{i}_in")(h)
-        h = layers.LayerNormalization(name=f"norm_{i}b")(
-            layers.Add()([h, layers.Dense(width, name=f"ffn_{i}_out")(f)]))
-    h = layers.Dense(vocab, name="logits")(h)
-    return keras.Model(x, layers.Activation("linear", dtype="float32")(h))
+    """The 2-block transformer predicting every token, float32 logits."""
+    return zoo.transformer(tokens_per_row, width, vocab=vocab, outputs=vocab, per_token=True,
+                           float32_output=True, names=TOKEN_NAMES)
 
 
 def token_mean_loss(y_true, y_pred):

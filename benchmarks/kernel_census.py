@@ -8,26 +8,23 @@ of two depths the table gives each mode's kernels over stock's and that
 excess per trainable variable (its slope between the depths): a constant
 excess has slope 0.
 
-    PYTHONPATH=. python benchmarks/kernel_census.py            # depths 4 and 16, the CNN
-    PYTHONPATH=. python benchmarks/kernel_census.py --by-kind  # and what the kernels are
+    python -m benchmarks.kernel_census            # depths 4 and 16, the CNN
+    python -m benchmarks.kernel_census --by-kind  # and what the kernels are
 """
 
 import argparse
 import collections
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
 
 import keras  # noqa: E402
-from helpers import census_mlp as mlp  # noqa: E402
-from helpers import conv_net  # noqa: E402
-from helpers import optimized_fit_program  # noqa: E402
-from helpers import top_level_kernels  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
+from benchmarks.hlo import optimized_fit_program  # noqa: E402
+from benchmarks.hlo import top_level_kernels  # noqa: E402
+from benchmarks.zoo import census_mlp as mlp  # noqa: E402
+from benchmarks.zoo import conv_net  # noqa: E402
 
 MODES = {
     "stock": lambda model: (model, keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())),
@@ -40,7 +37,7 @@ MODES["per layer, plain"] = MODES["per layer"]
 
 
 def census(depths):
-    """`{(mode, depth): (kernels, variables)}`; depth "cnn": `helpers.conv_net`."""
+    """`{(mode, depth): (kernels, variables)}`; depth "cnn": `zoo.conv_net`."""
     found = {}
     for depth in depths:
         for mode, make in MODES.items():

@@ -3,44 +3,39 @@
 Two copies of a model (same weights, `mixed_float16`, XLA, the adaptive
 optimizer at `update_every=100`) train by `model.fit` on the same data, one
 with `ScaleMonitor(every_n_steps=100, log_dir=...)` (TensorBoard and JSON
-lines on), one without. Epochs of `--steps` steps alternate in random order;
-the ratio of the median epoch times is printed (target: at most 1.02).
+lines on), one without. Epochs of `--steps` steps alternate in random order
+(`timing.interleave`); the ratio of the median epoch times is printed
+(target: at most 1.02). The models are `zoo.FAMILIES`'.
 
-Run: PYTHONPATH=. python benchmarks/monitor_cost.py [--family cnn] [--steps 200] [--rounds 7]
+Run: python -m benchmarks.monitor_cost [--family cnn] [--steps 200] [--rounds 7]
 """
 
 import argparse
-import os
-import random
-import sys
 import tempfile
-import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_cost  # noqa: E402
-
-import tf_adaptive_scale as tas  # noqa: E402
+import tf_adaptive_scale as tas
+from benchmarks import timing
+from benchmarks import zoo
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="cnn", choices=sorted(step_cost.FAMILIES))
+    parser.add_argument("--family", default="cnn", choices=sorted(zoo.FAMILIES))
     parser.add_argument("--steps", type=int, default=200, help="steps per timed epoch")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    reference, shape = step_cost.FAMILIES[args.family]()
-    x, y = step_cost.batch_for(reference, shape, 0)
+    reference, shape = zoo.FAMILIES[args.family]()
+    x, y = zoo.batch_for(reference, shape, 0)
     data = tf.data.Dataset.from_tensors((x, y)).repeat(args.steps).cache()
     log_dir = tempfile.mkdtemp(prefix="monitor_cost_")
     runs = {}
     for name in ("without", "with"):
-        model, _ = step_cost.FAMILIES[args.family]()
+        model, _ = zoo.FAMILIES[args.family]()
         model.set_weights(reference.get_weights())
         model.compile(
             tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(), update_every=100),
@@ -50,16 +45,13 @@ def main(argv=None):
         callbacks = [tas.ScaleMonitor(100, log_dir=log_dir, verbose=0)] if name == "with" else []
         model.fit(data, epochs=1, verbose=0, callbacks=callbacks)  # compile, warm up
         runs[name] = (model, callbacks)
-    times = {name: [] for name in runs}
-    order, shuffler = list(runs), random.Random(0)
-    for _ in range(args.rounds):
-        shuffler.shuffle(order)
-        for name in order:
-            model, callbacks = runs[name]
-            began = time.perf_counter()
-            model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
-            times[name].append(time.perf_counter() - began)
-    ratio = np.median(times["with"]) / np.median(times["without"])
+
+    def epoch(model, callbacks):
+        return lambda: model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+
+    epochs = {name: epoch(*run) for name, run in runs.items()}
+    median = timing.medians(timing.interleave(epochs, args.rounds, seed=0))
+    ratio = median["with"] / median["without"]
     reports = len(runs["with"][1][0].records)
     print(f"| family | steps per epoch | rounds | reports | step-time ratio, monitor every 100 / none |")
     print(f"|---|---|---|---|---|")

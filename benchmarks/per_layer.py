@@ -77,7 +77,7 @@ Cost: step-time ratio of the instrumented MLP 512-1024-1024-10 (batch 128,
 families it also times) with `per_layer` `update_every=100` and
 `update_every=1` to the stock LossScaleOptimizer on the uninstrumented model:
 one `train_on_batch` per variant in turn, in random order, N rounds
-(`benchmarks/timing.py`); ratios of the mean wall time per step (measured
+(`timing.interleave`); ratios of the mean wall time per step (measured
 steps included at their frequency) and of the mean CPU time. Lines
 `ratio per_layer(update_every=100)/stock: X.XXX` and
 `ratio per_layer(update_every=1)/stock: X.XXX` are printed for grepping.
@@ -86,10 +86,10 @@ How to run (from the repository root)
 -------------------------------------
 ::
 
-    PYTHONPATH=. python benchmarks/per_layer.py              # ~4.5-7 min, 2 cores
-    PYTHONPATH=. python benchmarks/per_layer.py --quick      # ~1.5 min
-    PYTHONPATH=. python benchmarks/per_layer.py --json per_layer.json
-    PYTHONPATH=. python benchmarks/per_layer.py --only unet,transformer --no-cost
+    python -m benchmarks.per_layer              # ~4.5-7 min, 2 cores
+    python -m benchmarks.per_layer --quick      # ~1.5 min
+    python -m benchmarks.per_layer --json per_layer.json
+    python -m benchmarks.per_layer --only unet,transformer --no-cost
 
 Caveats
 -------
@@ -117,7 +117,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -125,19 +124,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras import layers  # noqa: E402
 from keras import ops  # noqa: E402
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-try:
-    import tf_adaptive_scale as tas
-except ImportError:  # `python benchmarks/per_layer.py` without PYTHONPATH
-    sys.path.insert(0, os.path.dirname(_HERE))
-    import tf_adaptive_scale as tas
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
-import step_cost  # noqa: E402  (the MLP family and its variants)
-import timing  # noqa: E402  (interleaved step timing)
+import tf_adaptive_scale as tas  # noqa: E402
+from benchmarks import step_cost  # noqa: E402  (the MLP family and its variants)
+from benchmarks import timing  # noqa: E402  (the machine record, thread pinning)
+from benchmarks import zoo  # noqa: E402  (the models)
 
 # One tf.function per model is traced on purpose; silence the retrace notes.
 tf.get_logger().setLevel("ERROR")
@@ -145,7 +137,6 @@ tf.get_logger().setLevel("ERROR")
 SUBNORMAL = 2.0**-24
 K_LIMIT = 40  # the sweep never extends past 2**-40 .. 2**40
 BEST_TOLERANCE = 1.1  # see "best global" in the module docstring
-ATTENUATION = 2.0**-30
 
 
 # --------------------------------------------------------------------------
@@ -153,55 +144,11 @@ ATTENUATION = 2.0**-30
 # --------------------------------------------------------------------------
 
 
-@keras.saving.register_keras_serializable(package="per_layer_benchmark")
-class Attenuate(keras.layers.Layer):
-    """Identity forward; the backward multiplies the gradient by `factor`.
-
-    Computes in float32 (its output is float32), so the attenuated gradient
-    is exact until the float16 layer below casts it.
-    """
-
-    def __init__(self, factor=ATTENUATION, **kwargs):
-        kwargs.setdefault("dtype", "float32")
-        super().__init__(**kwargs)
-        self.factor = float(factor)
-
-    def call(self, x):
-        factor = self.factor
-
-        @ops.custom_gradient
-        def attenuate(x):
-            def backward(*args, upstream=None):
-                if upstream is None:
-                    (upstream,) = args
-                return upstream * ops.cast(factor, upstream.dtype)
-
-            return ops.copy(x), backward
-
-        return attenuate(x)
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        return {**super().get_config(), "factor": self.factor}
-
-
-def _head(h):
-    """Logits / outputs in float32, as the mixed-precision guide recommends."""
-    return layers.Activation("linear", dtype="float32", name="head_f32")(h)
+# The models are `zoo`'s; the builders take the workload's size.
 
 
 def build_attenuated_mlp(_size):
-    x = keras.Input((32,))
-    h = x
-    for i in range(4):
-        h = layers.Dense(64, activation="tanh", name=f"dense_{i}")(h)
-    h = Attenuate(name="attenuate")(h)
-    for i in range(4, 7):
-        h = layers.Dense(64, activation="tanh", name=f"dense_{i}")(h)
-    h = layers.Dense(8, name="dense_7")(h)
-    return keras.Model(x, _head(h), name="attenuated_mlp")
+    return zoo.attenuated_mlp()
 
 
 def data_attenuated_mlp(_size, rng, batch=256):
@@ -212,11 +159,7 @@ def data_attenuated_mlp(_size, rng, batch=256):
 
 
 def build_mlp(_size):
-    x = keras.Input((64,))
-    h = x
-    for i in range(3):
-        h = layers.Dense(256, activation="relu", name=f"dense_{i}")(h)
-    return keras.Model(x, _head(layers.Dense(10, name="logits")(h)), name="mlp")
+    return zoo.mlp(64, (256, 256, 256), float32_output=True, names=zoo.MLP_NAMES, name="mlp")
 
 
 def data_mlp(_size, rng, batch=256):
@@ -226,15 +169,8 @@ def data_mlp(_size, rng, batch=256):
 
 
 def build_cnn(_size):
-    x = keras.Input((32, 32, 3))
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="conv_0")(x)
-    h = layers.Conv2D(16, 3, padding="same", activation="relu", name="conv_1")(h)
-    h = layers.MaxPooling2D(name="pool_0")(h)
-    h = layers.Conv2D(32, 3, padding="same", activation="relu", name="conv_2")(h)
-    h = layers.MaxPooling2D(name="pool_1")(h)
-    h = layers.Conv2D(32, 3, padding="same", activation="relu", name="conv_3")(h)
-    h = layers.GlobalAveragePooling2D(name="gap")(h)
-    return keras.Model(x, _head(layers.Dense(10, name="logits")(h)), name="cnn")
+    return zoo.cnn((32, 32, 3), (16, 16, 32, 32), pool_after=(1, 2), hidden=(),
+                   float32_output=True, names=zoo.CNN_NAMES, name="cnn")
 
 
 def data_cnn(_size, rng, batch=32):
@@ -251,22 +187,8 @@ def _unet_shape(pixels):
 
 def build_unet(pixels):
     _, side = _unet_shape(pixels)
-    x = keras.Input((side, side, 3))
-
-    def block(h, channels, name):
-        h = layers.Conv2D(channels, 3, padding="same", name=f"{name}_conv")(h)
-        h = layers.BatchNormalization(name=f"{name}_bn")(h)
-        return layers.Activation("relu", name=f"{name}_relu")(h)
-
-    e1 = block(x, 8, "enc1")
-    e2 = block(layers.MaxPooling2D(name="down1")(e1), 16, "enc2")
-    b = block(layers.MaxPooling2D(name="down2")(e2), 32, "bottom")
-    up2 = layers.UpSampling2D(name="up2")(b)
-    d2 = block(layers.Concatenate(name="skip2")([up2, e2]), 16, "dec2")
-    up1 = layers.UpSampling2D(name="up1")(d2)
-    d1 = block(layers.Concatenate(name="skip1")([up1, e1]), 8, "dec1")
-    out = layers.Conv2D(1, 1, name="head_conv")(d1)
-    return keras.Model(x, _head(out), name="unet")
+    return zoo.unet((side, side, 3), widths=(8, 16), bottom=32, batch_norm=True,
+                    upsample="nearest", head="map", names=zoo.UNET_NAMES, name="unet")
 
 
 def data_unet(pixels, rng):
@@ -280,23 +202,9 @@ VOCAB = 1000
 
 
 def build_transformer(_tokens, blocks=2, width=64):
-    tokens = keras.Input((TRANSFORMER_SEQ,), dtype="int32")
-    h = layers.Embedding(VOCAB, width, name="embed")(tokens)
-    for i in range(blocks):
-        a = layers.MultiHeadAttention(
-            num_heads=4, key_dim=width // 4, name=f"attn_{i}"
-        )(h, h)
-        h = layers.LayerNormalization(name=f"ln_a{i}")(
-            layers.Add(name=f"add_a{i}")([h, a])
-        )
-        f = layers.Dense(2 * width, activation="relu", name=f"ff_in_{i}")(h)
-        f = layers.Dense(width, name=f"ff_out_{i}")(f)
-        h = layers.LayerNormalization(name=f"ln_f{i}")(
-            layers.Add(name=f"add_f{i}")([h, f])
-        )
-    return keras.Model(
-        tokens, _head(layers.Dense(VOCAB, name="logits")(h)), name="transformer"
-    )
+    return zoo.transformer(TRANSFORMER_SEQ, width, blocks, vocab=VOCAB, ffn=2, activation="relu",
+                           outputs=VOCAB, per_token=True, float32_output=True,
+                           names=zoo.TRANSFORMER_NAMES, name="transformer")
 
 
 def data_transformer(n_tokens, rng):

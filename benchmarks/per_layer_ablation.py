@@ -1,8 +1,8 @@
 """Where a per-layer step's cost over stock comes from: an ablation.
 
-Every variant gets its own copy of one family's model (`step_cost.py`'s
-families, same weights, `mixed_float16`, `Adam()`, XLA unless `--no-xla`),
-timed interleaved (`timing.py`), as ratios to the stock optimizer:
+Every variant gets its own copy of one family's model (`zoo.FAMILIES`,
+same weights, `mixed_float16`, `Adam()`, XLA unless `--no-xla`), timed
+interleaved (`timing.interleave`), as ratios to the stock optimizer:
 
 - `stock_again`: a second stock copy, the run's noise;
 - `adaptive`: the global adaptive optimizer (its own bookkeeping);
@@ -22,24 +22,21 @@ the optimizer's `_measure`, while their model's step is traced
 (benchmark-only surgery: training with them is meaningless); no step is
 retraced afterwards.
 
-Run: PYTHONPATH=. python benchmarks/per_layer_ablation.py [--families cnn,unet]
+Run: python -m benchmarks.per_layer_ablation [--families cnn,unet]
      [--steps 150] [--no-xla]
 """
 
 import argparse
 import contextlib
-import os
-import sys
 
 import keras
 from keras import ops
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_cost  # noqa: E402
-import timing  # noqa: E402
-
-import tf_adaptive_scale as tas  # noqa: E402
-from tf_adaptive_scale.per_layer import gradient_scale  # noqa: E402
+import tf_adaptive_scale as tas
+from benchmarks import step_cost
+from benchmarks import timing
+from benchmarks import zoo
+from tf_adaptive_scale.per_layer import gradient_scale
 
 
 def _convert_only(dy, control, statistics_shape, producer, consumer, input_dtype):
@@ -102,13 +99,13 @@ VARIANTS = {
 def measure_family(family, jit_compile, steps, seed=0):
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(seed)
-    reference, shape = step_cost.FAMILIES[family]()
+    reference, shape = zoo.FAMILIES[family]()
     weights = reference.get_weights()
-    batch = step_cost.batch_for(reference, shape, seed)
+    batch = zoo.batch_for(reference, shape, seed)
     models, traces = {}, {}
     for name, (instrumented, convert, make_optimizer, measure) in VARIANTS.items():
         keras.utils.set_random_seed(seed)
-        model, _ = step_cost.FAMILIES[family]()
+        model, _ = zoo.FAMILIES[family]()
         model.set_weights(weights)
         if instrumented:
             model = tas.instrument(model)
@@ -122,7 +119,7 @@ def measure_family(family, jit_compile, steps, seed=0):
                 model.train_on_batch(*batch)
         models[name] = model
     warm = dict(traces)
-    ratios = timing.interleave(models, batch, steps, seed)
+    ratios = timing.step_ratios(models, batch, steps, seed)
     retraced = [name for name in models if traces[name] != warm[name]]
     keras.backend.clear_session()
     return {name: r["wall_median"] for name, r in ratios.items()}, retraced

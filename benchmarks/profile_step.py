@@ -1,7 +1,7 @@
 """Where fit's compiled step spends its time, kernel by kernel: the stock
 `LossScaleOptimizer` against the library's modes, on CPU (issue 43).
 
-Keras on JAX. For one `step_cost.py` family (`mixed_float16`, `Adam()`,
+Keras on JAX. For one `zoo.FAMILIES` family (`mixed_float16`, `Adam()`,
 its batch) every program is `fit`'s step as Keras compiles it,
 `jax.jit(model.train_step, donate_argnums=0)`, lowered and compiled here
 once, with XLA's default CPU optimisation:
@@ -16,8 +16,8 @@ once, with XLA's default CPU optimisation:
 
 Every model starts from the same weights; its state is built by Keras's
 symbolic build (no eager step), then `--warmup` steps run. The programs
-then run in interleaved rounds (a fresh random order each round, every
-step waited for): `--timed` rounds without the profiler give the wall
+then run in interleaved rounds (`timing.interleave`: a fresh random order
+each round, every step waited for): `--timed` rounds without the profiler give the wall
 time per step (medians), `--steps` rounds under `jax.profiler` give the
 time of every XLA thunk. XLA's CPU runtime records each thunk with its HLO
 instruction's name (`hlo_op`) and program (`hlo_module`); a thunk's time is
@@ -41,7 +41,7 @@ YNNPACK fusions, parallel loops: flagged "pool") counts its wait in the
 pool's queue; on a loaded machine any thunk's time includes waits for a
 core. Compare those by MiB, thunk counts and wall time.
 
-Run: KERAS_BACKEND=jax PYTHONPATH=. python benchmarks/profile_step.py --family cnn
+Run: KERAS_BACKEND=jax python -m benchmarks.profile_step --family cnn
      [--modes adaptive,per_layer] [--warmup 3] [--timed 20] [--steps 20]
      [--batch N] [--top 15] [--no-noise] [--keep DIR]
 """
@@ -53,22 +53,22 @@ import gzip
 import json
 import os
 import platform
-import random
 import re
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import step_cost  # noqa: E402
 
 import tf_adaptive_scale as tas  # noqa: E402
+from benchmarks import hlo  # noqa: E402
+from benchmarks import step_cost  # noqa: E402
+from benchmarks import timing  # noqa: E402
+from benchmarks import zoo  # noqa: E402
 
 # `step_cost`'s variants: stock, a second stock program (its differences to
 # the first are the run's noise), the default mode and per layer (profiled
@@ -87,7 +87,6 @@ MOVEMENT = {"concatenate", "slice", "dynamic-slice", "dynamic-update-slice", "pa
 HEAVY = ("convolution", "dot", "scatter", "select-and-scatter", "sort", "reduce-window", "reduce")
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f16": 2, "bf16": 2, "s16": 2, "u16": 2, "f64": 8,
          "s64": 8, "u64": 8, "c64": 8}
-NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 
 
 # ------------------------------------------------------------ programs
@@ -98,26 +97,18 @@ def build(family, mode, weights, batch_size, seed=0):
     and the batch."""
     per_layer, make_optimizer = MODES[mode]
     keras.utils.set_random_seed(seed)
-    model, shape = step_cost.FAMILIES[family]()
+    model, shape = zoo.FAMILIES[family]()
     model.set_weights(weights)
     if per_layer:
         model = tas.instrument(model)
     model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=True)
     shape = (batch_size or shape[0],) + tuple(shape[1:])
-    x, y = step_cost.batch_for(model, shape, seed)
+    x, y = zoo.batch_for(model, shape, seed)
     # Keras's own build before a first step: the optimizer's and metrics'
     # variables, no eager step and no compile of Keras's own.
     model._symbolic_build(data_batch=(x, y))
     return model, (x, y)
-
-
-def state_of(model):
-    """The `(trainable, non-trainable, optimizer, metrics)` state that
-    Keras's JAX `train_step` takes."""
-    return tuple([v.value for v in variables] for variables in (
-        model.trainable_variables, model.non_trainable_variables,
-        model.optimizer.variables, model.metrics_variables))
 
 
 def compile_program(model, mode, state, data):
@@ -217,7 +208,7 @@ def category(kernel, kernels, members):
             reads = max([kernels[o].elements() for o in member.operands if o in kernels] or [0])
             if member.opcode in HEAVY[:5] or max(member.elements(), reads) >= size:
                 inside.add(member.opcode)
-        inside -= NOT_KERNELS
+        inside -= hlo.NOT_KERNELS
     for kind in HEAVY:
         if kind in inside:
             return kind
@@ -249,18 +240,19 @@ def label(kernel):
 # ------------------------------------------------------------ running
 
 
-def run_rounds(programs, states, data, rounds, seed, times=None):
-    """`rounds` rounds of one step per program, in a fresh random order each
-    round, every step waited for; `times[mode]` gets each step's seconds."""
-    order, shuffler = list(programs), random.Random(seed)
-    for _ in range(rounds):
-        shuffler.shuffle(order)
-        for mode in order:
-            began = time.perf_counter()
+def run_rounds(programs, states, data, rounds, seed):
+    """`rounds` rounds of one step per program (`timing.interleave`), every
+    step waited for; returns `{mode: [seconds of each step]}`."""
+
+    def step(mode):
+        def run():
             logs, states[mode] = programs[mode](states[mode], data[mode])
             jax.block_until_ready((logs, states[mode]))
-            if times is not None:
-                times[mode].append(time.perf_counter() - began)
+
+        return run
+
+    times = timing.interleave({mode: step(mode) for mode in programs}, rounds, seed)
+    return {mode: t["wall"] for mode, t in times.items()}
 
 
 def read_trace(directory):
@@ -460,7 +452,7 @@ def report(profiles, walls, steps, top):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="cnn", choices=sorted(step_cost.FAMILIES))
+    parser.add_argument("--family", default="cnn", choices=sorted(zoo.FAMILIES))
     parser.add_argument("--modes", default="adaptive,per_layer",
                         help="modes compared with stock, of adaptive, per_layer")
     parser.add_argument("--batch", type=int, default=0, help="batch size (0: step_cost's)")
@@ -487,11 +479,11 @@ def main(argv=None):
     began = time.perf_counter()
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(args.seed)
-    weights = step_cost.FAMILIES[args.family]()[0].get_weights()
+    weights = zoo.FAMILIES[args.family]()[0].get_weights()
     programs, states, data, profiles = {}, {}, {}, {}
     for mode in modes:
         model, data[mode] = build(args.family, mode, weights, args.batch, args.seed)
-        state = state_of(model)
+        state = hlo.fit_state(model)
         compiling = time.perf_counter()
         programs[mode], text = compile_program(model, mode, state, data[mode])
         kernels, members, module = parse_hlo(text)
@@ -506,8 +498,7 @@ def main(argv=None):
         print(f"  {mode}: compiled in {time.perf_counter() - compiling:.0f} s, "
               f"{len(kernels)} instructions", flush=True)
     run_rounds(programs, states, data, args.warmup, args.seed)
-    walls = {mode: [] for mode in modes}
-    run_rounds(programs, states, data, args.timed, args.seed + 1, walls)
+    walls = run_rounds(programs, states, data, args.timed, args.seed + 1)
     with tempfile.TemporaryDirectory() as directory:
         directory = args.keep or directory
         jax.profiler.start_trace(directory)

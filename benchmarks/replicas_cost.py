@@ -4,21 +4,21 @@ Splits the CPU into `--replicas` logical devices (before TensorFlow starts),
 and trains two copies of an MLP (same weights, `mixed_float16`, `Adam`) by
 `model.fit` under a `MirroredStrategy`: one with the stock
 `keras.mixed_precision.LossScaleOptimizer`, one with
-`tas.AdaptiveLossScaleOptimizer`. Epochs alternate in random order; the
-ratio of the median epoch times is printed (target: at most 1.05). Without
-XLA: XLA with MirroredStrategy fails on CPU (keras#19005).
+`tas.AdaptiveLossScaleOptimizer`. Epochs alternate in random order
+(`timing.interleave`); the ratio of the median epoch times is printed
+(target: at most 1.05). Without XLA: XLA with MirroredStrategy fails on CPU
+(keras#19005). The MLP is `zoo.mlp` with 256 inputs.
 
-Run: PYTHONPATH=. python benchmarks/replicas_cost.py [--replicas 2] [--steps 50] [--rounds 7]
+Run: python -m benchmarks.replicas_cost [--replicas 2] [--steps 50] [--rounds 7]
 """
 
 import argparse
-import os
-import random
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
+
+from benchmarks import timing
 
 
 def main(argv=None):
@@ -35,6 +35,7 @@ def main(argv=None):
     import keras
 
     import tf_adaptive_scale as tas
+    from benchmarks import zoo
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     strategy = tf.distribute.MirroredStrategy(
@@ -47,10 +48,7 @@ def main(argv=None):
     keras.utils.set_random_seed(0)
 
     def make_model():
-        inputs = keras.Input((256,))
-        h = keras.layers.Dense(args.width, activation="relu")(inputs)
-        h = keras.layers.Dense(args.width, activation="relu")(h)
-        return keras.Model(inputs, keras.layers.Dense(10)(h))
+        return zoo.mlp(256, (args.width, args.width))
 
     optimizers = {
         "stock": lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam()),
@@ -66,15 +64,13 @@ def main(argv=None):
                 from_logits=True), jit_compile=False)
             model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # trace, warm up
             models[name] = model
-    times = {name: [] for name in models}
-    order, shuffler = list(models), random.Random(0)
-    for _ in range(args.rounds):
-        shuffler.shuffle(order)
-        for name in order:
-            began = time.perf_counter()
-            models[name].fit(x, y, batch_size=batch, epochs=1, verbose=0)
-            times[name].append(time.perf_counter() - began)
-    ratio = np.median(times["adaptive"]) / np.median(times["stock"])
+
+    def epoch(model):
+        return lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+
+    epochs = {name: epoch(model) for name, model in models.items()}
+    median = timing.medians(timing.interleave(epochs, args.rounds, seed=0))
+    ratio = median["adaptive"] / median["stock"]
     print("| replicas | steps per epoch | rounds | step-time ratio, adaptive / stock |")
     print("|---|---|---|---|")
     print(f"| {args.replicas} | {args.steps} | {args.rounds} | {ratio:.3f} |")

@@ -23,42 +23,33 @@ global adaptive 1, 2, 1, 3, per-layer 0, 0, 0, 0. At `--size 64`,
 ConvNeXtTiny: stock 1, per-layer 1 (2 before overflows were corrected all
 at once); EfficientNetB0 9 and 0; MobileNetV2 5 and 0.
 
-Run: PYTHONPATH=. python benchmarks/skips.py [--steps 50]
+Run: python -m benchmarks.skips [--steps 50]
      [--models convnext_tiny,efficientnet_b0,mobilenet_v2,transformer]
      [--modes stock,adaptive,per_layer] [--size 32] [--batch 8] [--xla]
 """
 
 import argparse
-import os
 import sys
 import time
 
 import keras
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_cost  # noqa: E402
+import tf_adaptive_scale as tas
+from benchmarks import zoo
+from benchmarks.zoo import CLASSES
 
-import tf_adaptive_scale as tas  # noqa: E402
-
-CLASSES = 10
-IMAGE = (32, 32, 3)
+SIZE = 32  # --size: the images' side
 BATCH = None  # --batch: the images' batch size (default: each model's own)
 
 
 def _application(name, batch):
-    def build():
-        return getattr(keras.applications, name)(
-            weights=None, input_shape=IMAGE, classes=CLASSES,
-            classifier_activation=None,
-        )
-
-    return build, (BATCH or batch,) + IMAGE
+    return (lambda: zoo.application(name, SIZE)), (BATCH or batch, SIZE, SIZE, 3)
 
 
 def transformer(batch=16, tokens=32):
     """step_cost's 2-block encoder (10 classes too), at `tokens` tokens."""
-    return (lambda: step_cost.transformer(tokens)[0]), (batch, tokens)
+    return (lambda: zoo.transformer(tokens)), (batch, tokens)
 
 
 MODELS = {
@@ -162,8 +153,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="image batch size")
     parser.add_argument("--xla", action="store_true", help="jit_compile=True")
     args = parser.parse_args(argv)
-    global IMAGE, BATCH
-    IMAGE, BATCH = (args.size, args.size, 3), args.batch
+    global SIZE, BATCH
+    SIZE, BATCH = args.size, args.batch
     modes = args.modes.split(",")
     began = time.perf_counter()
     results = {}

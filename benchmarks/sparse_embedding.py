@@ -58,7 +58,7 @@ computes float16 matmuls in float32, and one step's temporaries are
 allocated and freed by the host allocator, so the step peak is what a
 device's allocator would also need to find, approximately.
 
-Run: PYTHONPATH=. python benchmarks/sparse_embedding.py [--inner adam,sgd]
+Run: python -m benchmarks.sparse_embedding [--inner adam,sgd]
      [--variants adaptive,dynamic] [--embed-dim 1024] [--width 128] [--blocks 1]
      [--seq 16] [--batch 8] [--steps 20] [--mem-rounds 1] [--mem-steps 5]
      [--json out.json] [--quick]
@@ -77,7 +77,7 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("stock", "stock_again", "adaptive", "dynamic")
 EMBEDDING = "token_embedding"
 
@@ -86,20 +86,13 @@ EMBEDDING = "token_embedding"
 
 
 def build_model(args):
-    import keras
-    from keras import layers
+    from benchmarks import zoo
 
-    tokens = keras.Input((args.seq,), dtype="int32")
-    h = layers.Embedding(args.vocab, args.embed_dim, name=EMBEDDING)(tokens)
-    if args.embed_dim != args.width:
-        h = layers.Dense(args.width, use_bias=False, name="embedding_projection")(h)
-    for _ in range(args.blocks):
-        a = layers.MultiHeadAttention(4, args.width // 4)(h, h, use_causal_mask=True)
-        h = layers.LayerNormalization()(layers.Add()([h, a]))
-        f = layers.Dense(4 * args.width, activation="gelu")(h)
-        h = layers.LayerNormalization()(layers.Add()([h, layers.Dense(args.width)(f)]))
     # Not tied: the head has its own kernel.
-    return keras.Model(tokens, layers.Dense(args.vocab, name="head")(h))
+    return zoo.transformer(
+        args.seq, args.width, args.blocks, vocab=args.vocab, outputs=args.vocab,
+        per_token=True, causal=True, embed_dim=args.embed_dim,
+        names={"embedding": EMBEDDING, "projection": "embedding_projection", "logits": "head"})
 
 
 def recording(cls):
@@ -160,8 +153,7 @@ def gradient_types(inner):
 def setup(args):
     import keras
 
-    sys.path.insert(0, HERE)
-    import timing
+    from benchmarks import timing
 
     timing.set_threads(args.threads)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -195,7 +187,7 @@ def timing_worker(args, inner_name):
             model.train_on_batch(*batch)
         models[name] = model
     warm = dict(traces)
-    ratios = timing.interleave(models, batch, args.steps, seed=0)
+    ratios = timing.step_ratios(models, batch, args.steps, seed=0)
     return {
         "ratios": {name: r["wall_median"] for name, r in ratios.items()},
         "types": {name: gradient_types(inners[name]) for name in names},
@@ -253,7 +245,7 @@ def memory_worker(args, inner_name, variant):
 
 
 def _worker(args, kind, inner_name, variant=""):
-    command = [sys.executable, os.path.abspath(__file__), "--worker", kind,
+    command = [sys.executable, "-m", "benchmarks.sparse_embedding", "--worker", kind,
                "--worker-inner", inner_name, "--worker-variant", variant]
     for name in ("vocab", "embed_dim", "width", "blocks", "seq", "batch", "steps",
                  "mem_steps", "threads", "variants"):
@@ -264,7 +256,7 @@ def _worker(args, kind, inner_name, variant=""):
         # free: resident memory follows the live buffers, not what glibc's
         # heaps kept of earlier steps (see the module docstring).
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
     if done.returncode or not lines:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])

@@ -66,15 +66,14 @@ Times are wall times on whatever machine runs it, for orientation only.
 
 How to run (from the repository root)::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/startup_and_recovery.py          # ~2.5-4 min, 2 cores
-    PYTHONPATH=. .venv/bin/python benchmarks/startup_and_recovery.py --quick  # 3 factors, shorter phases
-    PYTHONPATH=. .venv/bin/python benchmarks/startup_and_recovery.py --only recovery
+    .venv/bin/python -m benchmarks.startup_and_recovery          # ~2.5-4 min, 2 cores
+    .venv/bin/python -m benchmarks.startup_and_recovery --quick  # 3 factors, shorter phases
+    .venv/bin/python -m benchmarks.startup_and_recovery --only recovery
 """
 
 import argparse
 import math
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -82,14 +81,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from keras import layers  # noqa: E402
 from keras import ops  # noqa: E402
 
-try:
-    import tf_adaptive_scale as tas
-except ImportError:  # `python benchmarks/...` without PYTHONPATH
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import tf_adaptive_scale as tas
+import tf_adaptive_scale as tas  # noqa: E402
+from benchmarks import zoo  # noqa: E402
 
 FACTORS = (1e-8, 1e-4, 1.0, 1e4, 1e8)
 QUICK_FACTORS = (1e-8, 1.0, 1e8)
@@ -108,24 +103,14 @@ CONV_BATCH, CONV_SIDE = 8, 16
 # --------------------------------------------------------------------------
 
 
-def _head(h):
-    """Outputs in float32, as the mixed-precision guide recommends."""
-    return layers.Activation("linear", dtype="float32", name="head_f32")(h)
-
-
 def build_mlp():
-    x = keras.Input((MLP_IN,))
-    h = layers.Dense(64, activation="relu", name="dense_0")(x)
-    h = layers.Dense(64, activation="relu", name="dense_1")(h)
-    return keras.Model(x, _head(layers.Dense(MLP_CLASSES, name="logits")(h)), name="mlp")
+    return zoo.mlp(MLP_IN, (64, 64), MLP_CLASSES, float32_output=True, names=zoo.MLP_NAMES,
+                   name="mlp")
 
 
 def build_conv():
-    x = keras.Input((CONV_SIDE, CONV_SIDE, 3))
-    h = x
-    for i in range(3):
-        h = layers.Conv2D(16, 3, padding="same", activation="relu", name=f"conv_{i}")(h)
-    return keras.Model(x, _head(layers.Conv2D(1, 1, name="conv_out")(h)), name="conv")
+    return zoo.cnn((CONV_SIDE, CONV_SIDE, 3), (16, 16, 16), head="map", float32_output=True,
+                   names=zoo.CNN_NAMES, name="conv")
 
 
 def data_mlp(rng, batches):

@@ -1,8 +1,8 @@
 """Step-time cost of adaptive and per-layer loss scaling, per architecture.
 
-For each family (an MLP, a small CNN, a U-Net, a transformer encoder, and
-`keras.applications` ResNet50 and MobileNetV2 with `weights=None` at small
-inputs) and with and without XLA, every variant gets its own copy of the
+For each family of `zoo.FAMILIES` (an MLP, a small CNN, a U-Net, a
+transformer encoder, and `keras.applications` ResNet50 and MobileNetV2 with
+`weights=None` at small inputs) and with and without XLA, every variant gets its own copy of the
 model with the same initial weights, `mixed_float16`, `Adam()`:
 
 - `stock`: `keras.mixed_precision.LossScaleOptimizer`, twice (the second
@@ -14,12 +14,12 @@ model with the same initial weights, `mixed_float16`, `Adam()`:
   read back every step as `train_on_batch` does.
 
 Reported, as ratios to `stock` (interleaved `train_on_batch` steps in random
-order, medians; see `timing.py`): the step time; the first step's time
+order, medians; `timing.interleave`): the step time; the first step's time
 (tracing and compiling included); and `tas.instrument`'s own time in
 seconds. The table is printed as Markdown and written, with the machine and
 the command, to `benchmarks/RESULTS.md` (`--out`).
 
-Run: PYTHONPATH=. python benchmarks/step_cost.py [--steps 40] [--families mlp,cnn]
+Run: python -m benchmarks.step_cost [--steps 40] [--families mlp,cnn]
      [--no-xla | --xla-only] [--out benchmarks/RESULTS.md]
 """
 
@@ -29,80 +29,12 @@ import sys
 import time
 
 import keras
-import numpy as np
-from keras import layers
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402
+import tf_adaptive_scale as tas
+from benchmarks import timing
+from benchmarks.zoo import FAMILIES
+from benchmarks.zoo import batch_for
 
-import tf_adaptive_scale as tas  # noqa: E402
-
-CLASSES = 10
-
-
-def mlp():
-    x = keras.Input((512,))
-    h = layers.Dense(1024, activation="relu")(x)
-    h = layers.Dense(1024, activation="relu")(h)
-    return keras.Model(x, layers.Dense(CLASSES)(h)), (128, 512)
-
-
-def cnn():
-    x = keras.Input((16, 16, 8))
-    h = x
-    for _ in range(3):
-        h = layers.Conv2D(32, 3, padding="same", activation="relu")(h)
-    h = layers.GlobalAveragePooling2D()(h)
-    h = layers.Dense(64, activation="relu")(h)
-    return keras.Model(x, layers.Dense(CLASSES)(h)), (64, 16, 16, 8)
-
-
-def unet():
-    x = keras.Input((32, 32, 3))
-    skips, h = [], x
-    for width in (16, 32):
-        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
-        skips.append(h)
-        h = layers.MaxPooling2D()(h)
-    h = layers.Conv2D(64, 3, padding="same", activation="relu")(h)
-    for width, skip in zip((32, 16), reversed(skips)):
-        h = layers.Conv2DTranspose(width, 2, strides=2)(h)
-        h = layers.Concatenate()([h, skip])
-        h = layers.Conv2D(width, 3, padding="same", activation="relu")(h)
-    h = layers.GlobalAveragePooling2D()(h)  # classes, to share the data
-    return keras.Model(x, layers.Dense(CLASSES)(h)), (8, 32, 32, 3)
-
-
-def transformer(tokens=64, width=64, blocks=2):
-    x = keras.Input((tokens,), dtype="int32")
-    h = layers.Embedding(1000, width)(x)
-    for _ in range(blocks):
-        a = layers.MultiHeadAttention(4, width // 4)(h, h)
-        h = layers.LayerNormalization()(layers.Add()([h, a]))
-        f = layers.Dense(4 * width, activation="gelu")(h)
-        h = layers.LayerNormalization()(layers.Add()([h, layers.Dense(width)(f)]))
-    h = layers.GlobalAveragePooling1D()(h)
-    return keras.Model(x, layers.Dense(CLASSES)(h)), (16, tokens)
-
-
-def resnet50():
-    model = keras.applications.ResNet50(
-        weights=None, input_shape=(32, 32, 3), classes=CLASSES, classifier_activation=None
-    )
-    return model, (8, 32, 32, 3)
-
-
-def mobilenetv2():
-    model = keras.applications.MobileNetV2(
-        weights=None, input_shape=(32, 32, 3), classes=CLASSES, classifier_activation=None
-    )
-    return model, (16, 32, 32, 3)
-
-
-FAMILIES = {
-    "mlp": mlp, "cnn": cnn, "unet": unet, "transformer": transformer,
-    "resnet50": resnet50, "mobilenetv2": mobilenetv2,
-}
 VARIANTS = {
     "stock": (False, lambda: keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())),
     # A second stock copy: its ratio to the first is the run's noise.
@@ -130,15 +62,6 @@ class CompiledStep:
 
     def train_on_batch(self, x, y):
         return float(self.step(x, y)["loss"])
-
-
-def batch_for(model, shape, seed):
-    rng = np.random.default_rng(seed)
-    if model.inputs[0].dtype == "int32":
-        x = rng.integers(0, 1000, shape).astype("int32")
-    else:
-        x = rng.standard_normal(shape).astype("float32")
-    return x, rng.integers(0, CLASSES, shape[0]).astype("int32")
 
 
 def measure_family(family, jit_compile, steps, seed=0):
@@ -175,7 +98,7 @@ def measure_family(family, jit_compile, steps, seed=0):
         models["train_step"].train_on_batch(*batch)
     traces["train_step"] = models["train_step"].step.tracing_count()
     warm_traces = dict(traces)
-    ratios = timing.interleave(models, batch, steps, seed)
+    ratios = timing.step_ratios(models, batch, steps, seed)
     traces["train_step"] = models["train_step"].step.tracing_count()
     result = {
         name: dict(
@@ -222,7 +145,7 @@ def write_results(path, table, results, args, seconds):
     }
     with open(path, "w") as f:
         f.write("# Step-time cost per architecture\n\n")
-        f.write("Written by `PYTHONPATH=. python benchmarks/step_cost.py "
+        f.write("Written by `python -m benchmarks.step_cost "
                 + " ".join(args) + f"` in {seconds:.0f} s.\n\n")
         f.write("Medians of interleaved `train_on_batch` step times, as ratios to "
                 "the stock `keras.mixed_precision.LossScaleOptimizer` on the same "

@@ -11,7 +11,6 @@ first, so float32 and mixed_float16 twins share their initial weights
 """
 
 import os
-import re
 import subprocess
 import sys
 
@@ -20,7 +19,9 @@ import numpy as np
 from keras import layers
 
 import tf_adaptive_scale as tas
-from tf_adaptive_scale.per_layer import step_programs
+# The kernel census's models and HLO counting, shared with the benchmarks.
+from benchmarks.hlo import optimized_fit_program, top_level_kernels  # noqa: F401
+from benchmarks.zoo import census_mlp, conv_net  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -382,71 +383,6 @@ class IgnoringLoss(keras.losses.Loss):
     def call(self, y_true, y_pred):
         return keras.losses.sparse_categorical_crossentropy(
             y_true, y_pred, from_logits=True, ignore_class=0)
-
-def conv_net():
-    """A small convolutional model (float16 under the `float16_policy`
-    fixture its tests use), a batch and mse targets."""
-    model = keras.Sequential([
-        keras.Input((8, 8, 4)),
-        layers.Conv2D(8, 3, padding="same", activation="relu"),
-        layers.Conv2D(8, 3, padding="same"),
-        layers.GlobalAveragePooling2D(),
-        layers.Dense(2),
-    ])
-    x = np.random.default_rng(0).standard_normal((4, 8, 8, 4)).astype("float32")
-    return model, x, np.ones((4, 2), "float32")
-
-
-def optimized_fit_program(model, optimizer, x, y, loss="mse", measuring=True, donated=False):
-    """The optimized XLA program (HLO text) of `model.fit`'s step (per
-    layer, its measuring program, or with `measuring=False` its plain one);
-    on JAX with the state `donated` as `fit` donates it (its outputs may
-    overwrite their inputs' buffers)."""
-    model.compile(optimizer, loss, jit_compile=True)
-    if JAX:
-        import jax
-
-        model.train_on_batch(x, y)  # builds the state the step takes
-        state = tuple([v.value for v in variables] for variables in (
-            model.trainable_variables, model.non_trainable_variables,
-            model.optimizer.variables, model.metrics_variables))
-        with step_programs.measuring(measuring):
-            return jax.jit(model.train_step, donate_argnums=0 if donated else ()).lower(
-                state, (x, y)).compile().as_text()
-    import tensorflow as tf
-
-    # Traced once, here (its first trace may create the metrics' variables;
-    # a first `train_on_batch` would compile the same step twice).
-    step = tf.function(lambda xb, yb: model.train_step((xb, yb)), jit_compile=True)
-    with step_programs.measuring(measuring):
-        return step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
-
-
-_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-
-
-def top_level_kernels(hlo):
-    """The opcodes of an optimized HLO module's top-level kernels: the
-    instructions of its entry computation other than parameters,
-    constants, tuples and bitcasts (one launch each on a GPU)."""
-    entry = hlo[hlo.index("ENTRY"):]
-    entry = entry[: entry.index("\n}")]
-    return [op for op in re.findall(r"= \S+ ([a-z\-]+)\(", entry) if op not in _NOT_KERNELS]
-
-
-def census_mlp(depth, width=64):
-    """The kernel census's MLP (`benchmarks/kernel_census.py`): `depth`
-    ReLU layers of `width` units and a 10-unit head, under mixed_float16,
-    with a batch of 32."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((width,))]
-        + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-        + [keras.layers.Dense(10)]
-    )
-    x = np.random.default_rng(0).standard_normal((32, width)).astype("float32")
-    return model, x, np.ones((32, 10), "float32")
 
 
 # ----------------------------------------------------- child processes

@@ -4,16 +4,12 @@ sample of each gradient, against the exact ones.
 Peaks, non-finite counts and norms are exact (they guard against overflow);
 histograms and zeros are estimates. The scales chosen from them must stay
 within one binade of those the exact histograms give, on the benchmarks'
-models (`benchmarks/step_cost.py`), globally and per layer.
+models (`benchmarks/zoo.py`), globally and per layer.
 """
-
-import os
-import sys
 
 import keras
 import numpy as np
 import pytest
-from helpers import ROOT
 from keras import ops
 
 import tf_adaptive_scale as tas
@@ -21,8 +17,7 @@ from tf_adaptive_scale.per_layer import gradient_scale
 from tf_adaptive_scale.numerics import gradient_statistics as stats
 from tf_adaptive_scale.rules import adaptive_rule
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import step_cost  # noqa: E402
+from benchmarks import zoo
 
 
 @pytest.mark.parametrize("sample, share_error, norm_error", [
@@ -60,7 +55,7 @@ def chosen_scales(family, scaling, sampled, steps=2):
     rate (`scale_bounds`' low, which the sample's quantile decides), both
     `(units,)`. (Under its test's `float16_policy`.)"""
     keras.utils.set_random_seed(0)
-    model, shape = step_cost.FAMILIES[family]()
+    model, shape = zoo.FAMILIES[family]()
     if scaling == "per_layer":
         model = tas.instrument(model)
     optimizer = tas.AdaptiveLossScaleOptimizer(
@@ -73,7 +68,7 @@ def chosen_scales(family, scaling, sampled, steps=2):
     gradient_scale._measured_rows.cache_clear()  # traced with the constant
     try:
         for step in range(steps):
-            model.train_on_batch(*step_cost.batch_for(model, shape, step))
+            model.train_on_batch(*zoo.batch_for(model, shape, step))
     finally:
         stats.SAMPLE, stats.VARIABLE_SAMPLE = saved
         gradient_scale._measured_rows.cache_clear()
