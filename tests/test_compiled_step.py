@@ -51,8 +51,11 @@ def fit_program(model, optimizer, x, y, loss="mse"):
 # variables: +142 / +364 on TensorFlow, +132 / +316 on JAX; before the
 # scalar state was packed (issue 43): +73 / +80 and +63 / +33; before
 # the rule shared its window and one segment sum took counts and squares:
-# +58 / +65 and +46 / +16. Issue 43 asks at most 50 (and on the CNN).
-DEFAULT_MODE_EXCESS = {"tensorflow": 48, "jax": 33}
+# +58 / +65 and +46 / +16; since the scale window is no longer state
+# (issue 44): +40 / +47 and +31 / +1. Issue 43 asks at most 50 (and on the
+# CNN): the bound, so that a new scalar of state (2 kernels where written
+# every step) fits.
+DEFAULT_MODE_EXCESS = {"tensorflow": 50, "jax": 33}
 
 
 def test_default_mode_adds_a_bounded_number_of_kernels_whatever_the_depth():

@@ -13,6 +13,8 @@ import pytest
 
 import tf_adaptive_scale as tas
 from tf_adaptive_scale.backend import backends
+from tf_adaptive_scale.rules.optimizer_state import StateVariable
+from tf_adaptive_scale.step import measurement
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "v0_1_0")
 SAVED = json.load(open(os.path.join(DATA, "saved.json")))
@@ -79,3 +81,70 @@ def test_a_tensorflow_checkpoint_of_0_1_0_restores(mode, built, float16_policy):
         optimizer.build(model.trainable_variables)
     status.assert_existing_objects_matched()
     _assert_restored(mode, model, optimizer)
+
+
+# State declared after a file was written, or retired since: files load by
+# name (and 0.1.0's by position), each entry into its own variable.
+ADDED = StateVariable("added_later", 7.0, since_0_1_0=True)
+
+
+def _declaring(monkeypatch, extra=(), retired=()):
+    """The statistics' declaration with `extra` variables and `retired` ones."""
+    original = measurement.declared
+
+    def declared(n):
+        specs = [s._replace(retired=True) if s.name in retired else s for s in original(n)]
+        return tuple(specs) + tuple(extra)
+
+    monkeypatch.setattr(measurement, "declared", declared)
+
+
+def _trained_file(tmp_path, mode):
+    model, optimizer = _model(mode)
+    x = np.random.default_rng(0).standard_normal((32, 4)).astype("float32")
+    model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=2, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    values = {s.name: np.asarray(getattr(optimizer, s.name)) for s in optimizer.declared_state()}
+    return path, values, model.get_weights()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_file_loads_into_state_declared_since(tmp_path, monkeypatch, mode, float16_policy):
+    path, values, weights = _trained_file(tmp_path, mode)
+    _declaring(monkeypatch, extra=[ADDED])
+    model = keras.models.load_model(path)
+    optimizer = model.optimizer
+    assert float(optimizer.added_later) == 7.0  # not in the file: its initial value
+    for name, value in values.items():
+        np.testing.assert_array_equal(np.asarray(getattr(optimizer, name)), value, err_msg=name)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_file_loads_after_a_variable_is_retired(tmp_path, monkeypatch, mode, float16_policy):
+    path, values, _ = _trained_file(tmp_path, mode)
+    _declaring(monkeypatch, retired=["gradient_norm"])
+    optimizer = keras.models.load_model(path).optimizer
+    assert "gradient_norm" not in [s.name for s in optimizer.declared_state()]
+    for name, value in values.items():
+        if name != "gradient_norm":
+            np.testing.assert_array_equal(np.asarray(getattr(optimizer, name)), value,
+                                          err_msg=name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keras_file_of_0_1_0_loads_beside_state_declared_since(monkeypatch, mode,
+                                                                   float16_policy):
+    """By position: the variable added since has no entry there (and a
+    scalar added beside a retired window must not shift the others)."""
+    _declaring(monkeypatch, extra=[ADDED])
+    optimizer = keras.models.load_model(os.path.join(DATA, f"{mode}.keras")).optimizer
+    values = {path.rsplit("/", 1)[-1]: v for path, v in SAVED[mode]["optimizer"].items()
+              if path.startswith("adaptive_loss_scale_optimizer")}
+    assert float(optimizer.added_later) == 7.0
+    for name in SAVED[mode]["declared"]:
+        if name not in RETIRED:
+            got = np.asarray(getattr(optimizer, name))
+            np.testing.assert_array_equal(got, np.asarray(values[name], got.dtype), err_msg=name)

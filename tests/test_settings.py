@@ -149,3 +149,14 @@ def test_clippers_round_trip_and_keep_their_state_in_the_optimizer():
     assert [c.get_config() for c in again.clippers] == [
         {"max_norm": 3.0}, {"percentile": 90.0, "window": 5, "per_variable": True}
     ]
+
+
+def test_the_docs_list_every_scaling_mode():
+    """A new mode (`scale_policy.MODES`) lists itself in the docstring; the
+    arguments page must name it too."""
+    from tf_adaptive_scale.rules import scale_policy
+
+    row = next(line for line in open(ARGUMENTS_PAGE) if line.startswith("| `scaling` |"))
+    assert set(re.findall(r'`"([a-z_]+)"`', row)) == set(scale_policy.SCALING_MODES)
+    doc = tas.AdaptiveLossScaleOptimizer.__doc__
+    assert all(f'`"{mode}"`' in doc for mode in scale_policy.SCALING_MODES)

@@ -38,8 +38,11 @@ class StateVariable(NamedTuple):
         readable: Whether it is read as an attribute of the optimizer.
         packed: Whether a readable scalar goes in a packed vector (not a
             variable Keras's own `LossScaleOptimizer` reads: its scale).
-        retired: No longer kept; declared where files saved before hold
-            its entry, so that they still load (`DeclaredState.layouts`).
+        retired: No longer kept; declared where 0.1.0's files (by position)
+            hold its entry, so that they still load (`positional`).
+        since_0_1_0: Added after 0.1.0, whose files (by position) do not hold
+            it. Files since are by name: a variable they lack keeps its
+            initial value.
     """
 
     name: str
@@ -50,6 +53,7 @@ class StateVariable(NamedTuple):
     readable: bool = True
     packed: bool = True
     retired: bool = False
+    since_0_1_0: bool = False
 
 
 class DeclaredState:
@@ -66,6 +70,7 @@ class DeclaredState:
         self._unpacked = []  # slots declared, not yet in a vector
         self._vectors = 0
         self._retired = []  # where a retired variable's entry stood in `handles`
+        self._since_0_1_0 = set()  # positions in `handles` 0.1.0's files lack
 
     def make(self, declared, prefix=""):
         """Creates `declared` and returns them by name.
@@ -94,6 +99,8 @@ class DeclaredState:
             if spec.retired:
                 self._retired.append(len(self.handles))
                 continue
+            if spec.since_0_1_0:
+                self._since_0_1_0.add(len(self.handles))
             if _packable(spec):
                 handle = StateSlot(spec)
                 self._unpacked.append(handle)
@@ -133,16 +140,15 @@ class DeclaredState:
                     if isinstance(h, StateSlot) and h.vector is not None)
         return list(made.values())
 
-    def layouts(self):
-        """The layouts of saved entries this state loads: today's
-        (`handles`), and, where a variable was retired, the one before, with
-        None where its entry stood."""
-        if not self._retired:
-            return [self.handles]
-        before = list(self.handles)
-        for position in reversed(self._retired):
-            before.insert(position, None)
-        return [self.handles, before]
+    def positional(self):
+        """The declared state as 0.1.0's files hold it, by position: None
+        where a retired variable's entry stood, none added since."""
+        entries = []
+        for i in range(len(self.handles) + 1):
+            entries += [None] * self._retired.count(i)
+            if i < len(self.handles) and i not in self._since_0_1_0:
+                entries.append(self.handles[i])
+        return entries
 
     def by_name(self):
         """`{name: variable or slot}`."""

@@ -30,6 +30,11 @@ def _scaling(name, value):
     return validation.one_of(name, value, scale_policy.SCALING_MODES)
 
 
+# The modes, as the docstring lists them (a new mode lists itself).
+_MODES_TEXT = (", ".join(f'`"{m}"`' for m in scale_policy.SCALING_MODES[:-1])
+               + f' or `"{scale_policy.SCALING_MODES[-1]}"`')
+
+
 def _criterion(name, value):
     return validation.one_of(name, value, ("count", "mass"))
 
@@ -61,7 +66,7 @@ class Settings:
     """
 
     scaling: object = validation.setting(None, validation.optional(_scaling), (
-        '`"adaptive"`, `"dynamic"`, `"static"`, `"none"` or `"per_layer"`. '
+        f"{_MODES_TEXT}. "
         "`None`: resolved at the first step (when an instrumented model is "
         "compiled; on JAX at `build`) from what the model computes: per "
         "layer for an instrumented model, adaptive where it computes in "

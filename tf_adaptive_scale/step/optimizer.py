@@ -460,33 +460,64 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.inner_optimizer.finalize_variable_values(_trained(var_list))
 
     def save_own_variables(self, store):
-        """Saves this optimizer's state: an entry per declared variable
-        (`declared_state()`, packed or not, as files have always held)."""
-        for i, variable in enumerate(self._saved()):
-            store[str(i)] = variable.numpy()
+        """Saves this optimizer's state: Keras's own variables and the inner
+        optimizer's by position, each declared variable (`declared_state()`,
+        packed or not) by its name, so that state added or retired later
+        loads by name."""
+        for i, variable in enumerate(self._keras_own()):
+            store[f"{_KERAS}{i}"] = variable.numpy()
+        for name, variable in self._state.by_name().items():
+            store[name] = variable.numpy()
+        for i, variable in enumerate(self.inner_optimizer.variables):
+            store[f"{_INNER}{i}"] = variable.numpy()
 
     def load_own_variables(self, store):
-        """Loads this optimizer's state, or a stock `LossScaleOptimizer`'s
-        (see `stock_state`), or one saved before a variable was retired."""
-        layouts = [self._saved(state) for state in self._state.layouts()]
-        saved = next((s for s in layouts if len(s) == len(store.keys())), None)
-        if saved is None and self.built and stock_state.load(
+        """Loads this optimizer's state (a declared variable the file lacks
+        keeps its initial value), or one saved by position (0.1.0's files),
+        or a stock `LossScaleOptimizer`'s (see `stock_state`)."""
+        keys = set(store.keys())
+        if f"{_KERAS}0" not in keys:
+            self._load_by_position(store)
+            return
+        inner = list(self.inner_optimizer.variables)
+        if sum(k.startswith(_INNER) for k in keys) != len(inner):
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.name}': its inner "
+                f"optimizer has {len(inner)} variables, the file another number "
+                "(another inner optimizer, or the optimizer is not built).",
+                stacklevel=2,
+            )
+            return
+        for prefix, variables in ((_KERAS, self._keras_own()), (_INNER, inner)):
+            for i, variable in enumerate(variables):
+                variable.assign(store[f"{prefix}{i}"])
+        for name, variable in self._state.by_name().items():
+            if name in keys:  # retired entries are left unread
+                variable.assign(store[name])
+
+    def _load_by_position(self, store):
+        """A file of 0.1.0 (an entry per variable, by position; `retired`
+        variables in their places), or a stock optimizer's."""
+        saved = self._keras_own() + self._state.positional() + list(
+            self.inner_optimizer.variables)
+        if len(store.keys()) == len(saved):
+            for i, variable in enumerate(saved):
+                if variable is not None:  # None: a retired variable's entry
+                    variable.assign(store[str(i)])
+            return
+        if self.built and stock_state.load(
             store, self.inner_optimizer, _trained(keras_internals.built_variables(self)),
             {**{v.name: v for v in self._keras_own()}, **self._state.by_name()},
             restore_scale=self._policy is None or self._policy.scales_loss,
         ):
             return
-        if saved is None:
-            warnings.warn(
-                f"Skipping variable loading for optimizer '{self.name}': it saves "
-                f"{len(layouts[0])} entries and the file has {len(store.keys())} (another "
-                "inner optimizer or `accumulation_steps`, or the optimizer is not built).",
-                stacklevel=2,
-            )
-            return
-        for i, variable in enumerate(saved):
-            if variable is not None:  # None: a retired variable's entry
-                variable.assign(store[str(i)])
+        warnings.warn(
+            f"Skipping variable loading for optimizer '{self.name}': it held "
+            f"{len(saved)} entries by position and the file has {len(store.keys())} "
+            "(another inner optimizer or `accumulation_steps`, or the optimizer "
+            "is not built).",
+            stacklevel=2,
+        )
 
     # TensorFlow checkpoints hold the declared state by name
     # (`optimizer_state`), not by position in Keras's variable list, which
@@ -499,13 +530,6 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _lookup_dependency(self, name, *args, **kwargs):
         return None if name == "_variables" else super()._lookup_dependency(
             name, *args, **kwargs)
-
-    def _saved(self, state=None):
-        """What `.keras` files hold, in order: Keras's own variables
-        (iterations, learning rate), each declared one (`state`: a layout of
-        `DeclaredState.layouts`), the inner optimizer's."""
-        state = self._state.handles if state is None else state
-        return self._keras_own() + list(state) + list(self.inner_optimizer.variables)
 
     def _keras_own(self):
         """The variables Keras's base optimizer made on this one (its
@@ -677,6 +701,10 @@ def _protocol_state(initial_scale):
         StateVariable("gradients_unscaled", False, dtype="bool"),
     )
 
+
+# The keys of Keras's own variables and the inner optimizer's in saved files
+# (by position: the declared state is saved by name).
+_KERAS, _INNER = "keras_", "inner_"
 
 # Applied steps on which a clipper acted.
 _CLIPPING_STATE = (StateVariable("clipped_steps", 0, dtype=backends.COUNTER_DTYPE),)
