@@ -31,7 +31,9 @@ class ScaleMonitor(keras.callbacks.Callback):
     Every `every_n_steps` and at each epoch's end it reads what the
     `AdaptiveLossScaleOptimizer` measured, records `scale/...` and
     `layer/<name>/...` keys in `History` (only `scale/loss_scale` and
-    `scale/skipped_steps` in `logs`, which Keras's progress bar prints),
+    `scale/skipped_steps` in `logs`, which Keras's progress bar prints; per
+    layer, `scale/layer_scale_min` and `scale/layer_scale_max` in place of
+    the global scale, which stays 1),
     writes TensorBoard events and `scale_monitor.jsonl` lines to `log_dir`,
     and warns once per layer and kind of what `diagnoses` finds (`flags`
     keeps it). It stops `fit` after `max_consecutive_skips` skipped steps
@@ -52,7 +54,8 @@ class ScaleMonitor(keras.callbacks.Callback):
         optimizer: The optimizer, for custom loops (`fit` uses the model's).
         per_layer_logs: Put every key in `logs` (the progress bar and the
             callbacks after this one see them all), not only
-            `scale/loss_scale` and `scale/skipped_steps`.
+            `scale/loss_scale` (per layer, the layers' range of scales) and
+            `scale/skipped_steps`.
 {thresholds}
         probe: Optional batch of the model's inputs: after a non-finite
             loss, names the first layer whose output is not finite (not
@@ -199,7 +202,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         keys = monitor_log.scalars(record, per_layer=True, fresh=fresh)
         if self.per_layer_logs:
             return keys
-        return {key: keys[key] for key in monitor_log.PROGRESS_KEYS}
+        return {key: keys[key] for key in monitor_log.progress_keys(record)}
 
     def _to_history(self, record, fresh):
         """Appends the epoch's keys that `logs` did not carry to the
@@ -210,7 +213,7 @@ class ScaleMonitor(keras.callbacks.Callback):
         if self.per_layer_logs or not isinstance(history, keras.callbacks.History):
             return
         for key, value in monitor_log.scalars(record, per_layer=True, fresh=fresh).items():
-            if key not in monitor_log.PROGRESS_KEYS:
+            if key not in monitor_log.progress_keys(record):
                 history.history.setdefault(key, []).append(value)
 
     # Reports that find no new measurement (`every_n_steps` counts batches,

@@ -252,6 +252,22 @@ def _global_scale(data):
 # the JSON lines only (`per_layer_logs=True` puts them all in `logs`). Both
 # are read at the report: nothing measured.
 PROGRESS_KEYS = ("scale/loss_scale", "scale/skipped_steps")
+# Per layer, in place of the global scale (1, which reads as "scaling off"):
+# the range of the layers' scales.
+LAYER_RANGE_KEYS = ("scale/layer_scale_min", "scale/layer_scale_max")
+
+
+def progress_keys(record):
+    """The keys of `logs` by default (`PROGRESS_KEYS`; per layer, the
+    layers' range of scales in place of the global scale)."""
+    if _per_layer(record):
+        return LAYER_RANGE_KEYS + PROGRESS_KEYS[1:]
+    return PROGRESS_KEYS
+
+
+def _per_layer(record):
+    mode = scale_policy.MODES.get(record.scaling)
+    return mode is not None and mode.per_layer and bool(record.layers)
 # The figures of a layer read at the report; its others are measured.
 CURRENT_LAYER_FIELDS = ("scale",)
 MEASURED_TOTALS = ("scale/grad_norm", "scale/underflow", "scale/zero_fraction")
@@ -289,6 +305,9 @@ def scalars(record, per_layer, fresh=True):
     keys.update({f"scale/{name}": value for name, value in (
         ("underflow", record.underflow), ("zero_fraction", record.zero_fraction))
         if value is not None})
+    if _per_layer(record):
+        scales = [layer.scale for layer in record.layers.values()]
+        keys.update(zip(LAYER_RANGE_KEYS, (min(scales), max(scales))))
     if per_layer:
         for name, layer in record.layers.items():
             for key, value in layer.scalars().items():

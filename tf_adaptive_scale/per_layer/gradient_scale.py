@@ -41,6 +41,7 @@ Statistics columns, per unit (row), all zero on steps that do not measure
 
 import functools
 import math
+import weakref
 
 import keras
 import ml_dtypes
@@ -159,6 +160,7 @@ class ScaleTable(keras.layers.Layer):
             weight_units: `(variable, unit index)` pairs.
         """
         self._weight_units = _WeightUnits(weight_units)
+        _BOUND.add(self)
 
     def unit_of(self, variable):
         """The index of the unit whose scale `variable`'s gradient carries
@@ -245,6 +247,16 @@ def is_scale_state(variable):
     """Whether `variable` is a `ScaleTable`'s scale state (its scales, caps
     or measure flag): written by the optimizer, never given a gradient."""
     return hasattr(variable, "scale_state")
+
+
+def instrumented_weight(variable):
+    """Whether any live `ScaleTable` scales `variable`'s gradient: a weight
+    of a model `tas.instrument` was given."""
+    return any(table.unit_of(variable) is not None for table in list(_BOUND))
+
+
+# Every bound table, while its model lives (`instrumented_weight`).
+_BOUND = weakref.WeakSet()
 
 
 def written_by_optimizer(variable):

@@ -163,6 +163,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         self._state.pack()
         self._scale_tables = layer_scaling.tables_of(var_list)
+        if not self._scale_tables:
+            _warn_of_an_instrumented_original(var_list)
         # An instrumented model's `statistics` is written here, never trained.
         self.inner_optimizer.build(_trained(var_list))
         # Skip LossScaleOptimizer.build: its state is created above.
@@ -257,12 +259,25 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _default_scaling(self, grads, tables):
         """`scaling=None`, from the model: instrumented, or computing in
-        float16 (its gradients tell or, eagerly, the global dtype policy)."""
-        return scale_policy.default_mode(
+        float16 (its gradients tell or, eagerly, the global dtype policy).
+        Scaling off is said, with why: a forgotten `mixed_float16` policy
+        would otherwise look like a run with nothing to scale."""
+        mode = scale_policy.default_mode(
             instrumented=bool(tables),
             computes_in_float16=backends.computes_in_float16([sparse.values(g) for g in grads])
             or keras.config.dtype_policy().compute_dtype == "float16",
         )
+        if not scale_policy.MODES[mode].scales_loss:
+            warnings.warn(
+                f"AdaptiveLossScaleOptimizer '{self.name}': the model computes in "
+                f"{keras.config.dtype_policy().compute_dtype} (dtype policy "
+                f"{keras.config.dtype_policy().name!r}), so loss scaling is off "
+                "(scaling='none'): only float16 gradients underflow. For float16 "
+                "training, call keras.mixed_precision.set_global_policy('mixed_float16') "
+                "before building the model.",
+                stacklevel=3,
+            )
+        return mode
 
     def _step(self, grads, variables, apply_fn, tables):
         """One step on the (replica-summed) gradients, or one micro-batch."""
@@ -729,6 +744,19 @@ def _refuse_a_wrapper(optimizer):
                 "wrap it again)."
             )
         frame = frame.f_back
+
+
+def _warn_of_an_instrumented_original(var_list):
+    """Warns where `var_list` holds weights an instrumented model scales but
+    not its `ScaleTable`: the model `tas.instrument` was given is fitted,
+    not the one it returned, and trains without per-layer scales."""
+    if any(gradient_scale.instrumented_weight(v) for v in var_list):
+        warnings.warn(
+            "These weights belong to a model that tas.instrument() instrumented, "
+            "but the model being trained is the original: it trains without the "
+            "per-layer scales. Fit the model tas.instrument(model) returned.",
+            stacklevel=3,
+        )
 
 
 def _trained(var_list):

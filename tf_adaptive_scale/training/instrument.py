@@ -314,7 +314,14 @@ class InstrumentedModel(keras.Model):
         ours = isinstance(optimizer, AdaptiveLossScaleOptimizer)
         if ours and optimizer.policy is None:
             optimizer_lib.resolve_scaling(optimizer, scale_policy.PerLayerScaling.name)
-        if optimizer is not None and not (ours and optimizer.policy.per_layer):
+        if ours and not optimizer.policy.per_layer:
+            raise ValueError(
+                "An instrumented model carries per-layer scales in its "
+                f"gradients; its optimizer has scaling={optimizer.policy.name!r}. "
+                "Make the optimizer with scaling='per_layer' (or scaling=None, "
+                "resolved to per layer here)."
+            )
+        if optimizer is not None and not ours:
             raise ValueError(
                 "An instrumented model carries per-layer scales in its "
                 "gradients: compile it with tas.AdaptiveLossScaleOptimizer(..., "
