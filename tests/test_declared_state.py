@@ -74,16 +74,19 @@ def _per_layer():
     _per_layer,
 ], ids=["adaptive", "accumulation", "clippers", "per_layer"])
 def test_the_optimizer_state_is_exactly_its_declared_state(make):
-    """What is saved is an entry per declared variable, in order, with its
-    shape, dtype and initial value (as before the scalars were packed); the
-    variables are the unpacked ones and vectors holding exactly the packed
-    scalars; a readable one is the attribute of its name."""
+    """What is saved is an entry per declared variable, under its name, with
+    its shape, dtype and initial value (as before the scalars were packed);
+    Keras's own and the inner optimizer's by position; the variables are the
+    unpacked ones and vectors holding exactly the packed scalars; a readable
+    one is the attribute of its name."""
     opt = make()
     declared = opt.declared_state()
     saved = {}
     opt.save_own_variables(saved)
-    entries = [saved[str(i)] for i in range(len(saved))]
     inner = len(opt.inner_optimizer.variables)
+    entries = ([saved[f"keras_{i}"] for i in range(2)] + [saved[s.name] for s in declared]
+               + [saved[f"inner_{i}"] for i in range(inner)])
+    assert len(saved) == len(entries)  # nothing else
     # Keras's base optimizer makes two of its own first.
     assert len(entries) == 2 + len(declared) + inner
     unscaled = opt.policy is not None and not opt.policy.scales_loss
