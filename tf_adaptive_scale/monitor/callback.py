@@ -6,6 +6,7 @@ The callback reads the optimizer; what it records is `monitor_log`'s
 """
 
 import dataclasses
+import inspect
 import os
 import warnings
 
@@ -69,36 +70,18 @@ class ScaleMonitor(keras.callbacks.Callback):
     >>> monitor.flags  # what the diagnoses found
     """.format(thresholds=diagnoses.args_doc(indent=8))
 
-    def __init__(
-        self,
-        every_n_steps=100,
-        log_dir=None,
-        json_lines=True,
-        optimizer=None,
-        per_layer_logs=False,
-        window=20,
-        patience=3,
-        vanishing_ratio=1e-6,
-        vanishing_orders=4.0,
-        exploding_zscore=6.0,
-        exploding_factor=10.0,
-        underflow_warning=0.05,
-        skipped_run=5,
-        window_underflow=None,
-        probe=None,
-        verbose=1,
-    ):
+    def __init__(self, every_n_steps=100, log_dir=None, json_lines=True, optimizer=None,
+                 per_layer_logs=False, probe=None, verbose=1, **thresholds):
         super().__init__()
         self.every_n_steps = validation.positive_int("every_n_steps", every_n_steps)
         self.log_dir = _directory("log_dir", log_dir)
         self.json_lines = validation.boolean("json_lines", json_lines)
         self.per_layer_logs = validation.boolean("per_layer_logs", per_layer_logs)
-        self.settings = diagnoses.Settings(
-            window=window, patience=patience, vanishing_ratio=vanishing_ratio,
-            vanishing_orders=vanishing_orders, exploding_zscore=exploding_zscore,
-            exploding_factor=exploding_factor, underflow_warning=underflow_warning,
-            skipped_run=skipped_run, window_underflow=window_underflow,
-        )
+        unknown = sorted(set(thresholds) - set(diagnoses.ARGUMENTS))
+        if unknown:
+            raise TypeError(f"ScaleMonitor got unexpected arguments {unknown}; its "
+                            f"thresholds are {list(diagnoses.ARGUMENTS)}.")
+        self.settings = diagnoses.Settings(**thresholds)
         self.probe = probe
         self.verbose = verbose
         self._optimizer = _adaptive("`optimizer`", optimizer) if optimizer is not None else None
@@ -110,6 +93,15 @@ class ScaleMonitor(keras.callbacks.Callback):
         self._writer = None
         self._warned_stale = False  # said once that reports outrun measurements
         self._begin()
+
+    # For help() and IDEs: the thresholds (`diagnoses.Settings`, each
+    # declared once there) are keyword arguments with their defaults.
+    __init__.__signature__ = inspect.Signature([
+        *list(inspect.signature(__init__).parameters.values())[:-1],
+        *[inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                            default=diagnoses.Settings.__dataclass_fields__[name].default)
+          for name in diagnoses.ARGUMENTS],
+    ])
 
     def __getattr__(self, name):
         # The thresholds read as attributes (`monitor.patience`).
