@@ -234,14 +234,14 @@ def run_seed(workload, seed, steps, window, budget, shuffler):
 
     advance(METHODS, steps)
     target = smoothed(record["float32"]["loss"], window)[steps - 1]
-    active = [m for m in METHODS[1:]
-              if first_reached(record[m]["loss"], window, target) is None]
-    done = steps
-    while active and done < budget:
-        rounds = min(window, budget - done)  # then look again
+    active, done = METHODS[1:], steps
+    while True:  # the float16 runs that have not reached it go on, `window` steps at a time
+        active = [m for m in active if first_reached(record[m]["loss"], window, target) is None]
+        if not active or done >= budget:
+            break
+        rounds = min(window, budget - done)
         advance(active, rounds)
         done += rounds
-        active = [m for m in active if first_reached(record[m]["loss"], window, target) is None]
     result = {"target": float(target)}
     for m in METHODS:
         reached = first_reached(record[m]["loss"], window, target)
@@ -308,10 +308,10 @@ def verdict(name, seeds):
                 head = f"{ours} reached the target sooner than stock"
             else:
                 head = f"stock and {ours} tie"
+            figure = lambda v: "not reached" if v is None else f"{v:.4g} {unit}"  # noqa: E731
             lines.append(
-                f"- {name}, {key}: {head} (medians: stock "
-                f"{_fmt(med_stock, '.4g', 'not reached')} {unit}, {ours} "
-                f"{_fmt(med_ours, '.4g', 'not reached')} {unit}); per seed {ours} "
+                f"- {name}, {key}: {head} (medians: stock {figure(med_stock)}, "
+                f"{ours} {figure(med_ours)}); per seed {ours} "
                 f"sooner on {sooner} of {len(seeds)}, stock sooner on {later}"
                 + (": mixed, within this run's noise." if sooner and later else "."))
     return "\n".join(lines)
