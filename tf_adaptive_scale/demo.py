@@ -9,8 +9,11 @@ restores the clean image from a noisy one with a per-pixel *sum* loss, as
 segmentation and detection losses are. The same model, from the same
 weights, is trained four ways: float32; `mixed_float16` with Keras's
 `LossScaleOptimizer`; with `tas.AdaptiveLossScaleOptimizer` (one adaptive
-scale); and per layer (`tas.instrument`). Then a table compares them, and the
-per-layer run's monitor report (PNG pictures) is written to `--out`.
+scale); and per layer (`tas.instrument`), each with XLA. Then a table
+compares them, and `--out` gets a picture of the four runs' losses along
+the steps and the wall time (compare.png) and the per-layer run's monitor
+report (PNG pictures). In a terminal each run shows a progress bar; written
+elsewhere (a log file, CI, a pipe), a line per epoch.
 """
 
 import argparse
@@ -31,8 +34,16 @@ from tf_adaptive_scale import report  # noqa: E402
 NOISE = 0.3
 # A test accuracy below this (chance: 0.10) is no result to compare.
 LEARNED = 0.3
+# A worst layer's gradient error below this (against float32) is float16's
+# rounding (0.43-0.77% in the default run).
+ROUNDING = 0.05
 # --quick: training and test digits (one epoch of 32 steps of 64).
 QUICK_DIGITS = (2048, 512)
+# Step times: the steps before these are not timed (XLA compiles the step at
+# the first, tas calibrates its scale in the first few), and a run with
+# fewer full steps left to time has no step-time column.
+WARMUP_STEPS = 5
+MIN_TIMED = 10
 METHODS = {
     "float32": "float32",
     "keras": "float16, Keras LossScaleOptimizer",
@@ -94,27 +105,73 @@ def total_loss(outputs, labels, clean):
     )
 
 
-class Progress(keras.callbacks.Callback):
-    """One progress bar per method, with the loss and the scale; times the
-    steps."""
+class Recorder(keras.callbacks.Callback):
+    """Each step's loss, wall time and skip, and the step's own time; shows
+    the progress where it goes: a progress bar in a terminal, one line per
+    epoch elsewhere (a log file, CI, a pipe), where a bar's carriage returns
+    pile up into one long line."""
 
-    def __init__(self, steps, optimizer):
+    def __init__(self, optimizer, batch_sizes, terminal):
         super().__init__()
-        self.bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "log2 scale"])
         self.opt = optimizer
-        self.seen = 0
-        self.times = []
+        self.sizes = batch_sizes  # of each step of an epoch
+        self.terminal = terminal
+        self.loss, self.wall, self.skipped, self.step_times, self.full = [], [], [], [], []
+
+    def on_train_begin(self, logs=None):
+        self.began = time.perf_counter()
+        self.applied = int(self.opt.iterations.numpy())
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_began = time.perf_counter()
+        self.seen, self.mean = 0, 0.0
+        if self.terminal:
+            self.bar = keras.utils.Progbar(len(self.sizes),
+                                           stateful_metrics=["loss", "log2 scale"])
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.began = time.perf_counter()
+        self.step_began = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self.began)
-        self.seen += 1
-        values = [("loss", float(logs["loss"]))]
+        now = time.perf_counter()
+        self.step_times.append(now - self.step_began)
+        self.wall.append(now - self.began)
+        # Keras logs the epoch's running mean, weighted by batch size: the
+        # step's own loss is the difference.
+        size, mean = self.sizes[batch], float(logs["loss"])
+        self.loss.append((mean * (self.seen + size) - self.mean * self.seen) / size)
+        self.seen, self.mean = self.seen + size, mean
+        self.full.append(size == self.sizes[0])
+        # A skipped step leaves the optimizer's step count where it was.
+        applied = int(self.opt.iterations.numpy())
+        self.skipped.append(applied == self.applied)
+        self.applied = applied
+        if self.terminal:
+            values = [("loss", mean)]
+            if self.scale() is not None:
+                values.append(("log2 scale", self.scale()))
+            self.bar.update(batch + 1, values)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.terminal:
+            return
+        scale = "" if self.scale() is None else f", log2 scale {self.scale():g}"
+        print(f"  epoch {epoch + 1}/{self.params['epochs']}: loss {self.mean:.3f}"
+              f"{scale}, {sum(self.skipped)} skipped steps so far, "
+              f"{time.perf_counter() - self.epoch_began:.1f} s", flush=True)
+
+    def scale(self):
+        """log2 of the one loss scale, where there is one."""
         if hasattr(self.opt, "dynamic_scale") and not _per_layer(self.opt):
-            values.append(("log2 scale", float(np.log2(np.asarray(self.opt.dynamic_scale)))))
-        self.bar.update(self.seen, values)
+            return float(np.log2(np.asarray(self.opt.dynamic_scale)))
+        return None
+
+    def timed(self):
+        """The steps' own times that the table compares: full batches after
+        the first `WARMUP_STEPS` (the first compiles the step; tas
+        calibrates its scale in the first few)."""
+        return [t for i, (t, full) in enumerate(zip(self.step_times, self.full))
+                if i >= WARMUP_STEPS and full]
 
 
 def _per_layer(opt):
@@ -167,8 +224,11 @@ def layers_note(result):
     return note
 
 
-def train(method, weights, data, epochs, batch_size, out, jit_compile):
-    """Trains one way; returns the model, its weights' owner and results."""
+def train(method, weights, data, epochs, batch_size, out, terminal):
+    """Trains one way, XLA compiling the step (without it, TensorFlow's oneDNN
+    runs float16 convolutions slowly on a CPU with AVX-512 float16: a
+    gradient took 2,023 ms, float32's 9.7 ms); returns the model, its
+    weights' owner and results."""
     (x, _), (y, _), (clean, _) = data
     policy = "float32" if method == "float32" else "mixed_float16"
     keras.mixed_precision.set_global_policy(policy)
@@ -184,18 +244,20 @@ def train(method, weights, data, epochs, batch_size, out, jit_compile):
         if method == "per_layer":
             model = tas.instrument(base)
         opt = tas.AdaptiveLossScaleOptimizer(keras.optimizers.Adam(1e-3), update_every=20)
-    steps = epochs * -(-len(x) // batch_size)
+    sizes = [min(batch_size, len(x) - start) for start in range(0, len(x), batch_size)]
+    steps = epochs * len(sizes)
     if isinstance(opt, tas.AdaptiveLossScaleOptimizer):
         log_dir = fresh_log_dir(os.path.join(out, method))
         monitor = tas.ScaleMonitor(every_n_steps=report_every(steps), log_dir=log_dir,
                                    verbose=0)
         callbacks.append(monitor)
-    model.compile(optimizer=opt, loss=LOSSES, jit_compile=jit_compile)
-    progress = Progress(steps, opt)
-    print(f"{METHODS[method]}:")
+    model.compile(optimizer=opt, loss=LOSSES, jit_compile=True)
+    recorder = Recorder(opt, sizes, terminal)
+    print(f"{METHODS[method]}:", flush=True)
     model.fit(x, {"digit": y, "image": clean}, batch_size=batch_size, epochs=epochs,
-              shuffle=True, verbose=0, callbacks=[progress, *callbacks])
+              shuffle=True, verbose=0, callbacks=[recorder, *callbacks])
     applied = int(opt.iterations.numpy())
+    timed = recorder.timed()
     logged, unlogged = {}, {}
     if method == "float32":
         scale = "-"
@@ -211,7 +273,10 @@ def train(method, weights, data, epochs, batch_size, out, jit_compile):
         "scale": scale,
         "skipped": steps - applied,
         "steps": steps,
-        "step_time": float(np.median(progress.times[len(progress.times) // 4 :])),
+        # The median of the steady steps; none where too few are left to time.
+        "step_time": float(np.median(timed)) if len(timed) >= MIN_TIMED else None,
+        "timed_steps": len(timed),
+        "course": {"loss": recorder.loss, "wall": recorder.wall, "skipped": recorder.skipped},
         "monitor": monitor,
         "logged": logged,
         "unlogged": unlogged,
@@ -255,50 +320,110 @@ def gradients(model, variables, batch, scale):
     return [np.asarray(g, np.float64) / scale for g in tape.gradient(loss, variables)]
 
 
+def timed(results):
+    """Whether every run had steps enough to time (else the table has no
+    step-time column)."""
+    return all(r["step_time"] is not None for r in results.values())
+
+
 def table(results):
-    rows = [
-        "| method | final scale | train loss | test accuracy | test image error "
-        "| skipped steps "
-        "| worst layer's gradient error vs float32 | worst layer's underflow "
-        "| step time / float32 |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    base_time = results["float32"]["step_time"]
+    columns = ["method", "final scale", "train loss", "test accuracy", "test image error",
+               "skipped steps", "worst layer's gradient error vs float32",
+               "worst layer's underflow"]
+    if timed(results):
+        columns.append("step time / float32")
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for method, r in results.items():
-        rows.append(
-            f"| {METHODS[method]} | {r['scale']} | {r['loss']:.3f} | {r['accuracy']:.3f} "
-            f"| {r['image_error']:.2f} | {r['skipped']} "
-            f"| {r['gradient_error']:.2%} | {r['underflow']:.2%} "
-            f"| {r['step_time'] / base_time:.2f} |"
-        )
+        cells = [METHODS[method], r["scale"], f"{r['loss']:.3f}", f"{r['accuracy']:.3f}",
+                 f"{r['image_error']:.2f}", str(r["skipped"]), f"{r['gradient_error']:.2%}",
+                 f"{r['underflow']:.2%}"]
+        if timed(results):
+            cells.append(f"{r['step_time'] / results['float32']['step_time']:.2f}")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
+SHORT = {"keras": "Keras", "adaptive": "adaptive", "per_layer": "per layer"}
+
+
 def verdict(results):
-    """What the table says, in words: where the methods differ and tie."""
-    keras_, adaptive, ours = results["keras"], results["adaptive"], results["per_layer"]
+    """What the table says, in words: where the methods differ and tie, each
+    claim on the figures of this run."""
     losses = ", ".join(f"{METHODS[m]} {r['loss']:.2f}" for m, r in results.items())
     return "\n".join([
-        f"- Skipped steps: Keras's optimizer skipped {keras_['skipped']} (it "
-        "starts at 2**15 and halves on each overflow, and a sum loss "
-        f"overflows float16 at first); tas skipped {adaptive['skipped']} "
-        f"(adaptive) and {ours['skipped']} (per layer): it measures the "
-        "gradients and goes straight to a scale that fits.",
+        skipped_line(results),
         f"- Train loss after the same number of steps: {losses}. Skipped "
         "steps are training lost; differences of a few percent also come "
         "from float16 rounding along the way (one run each).",
         accuracy_line(results),
-        "- Gradients against float32 at the trained weights: the worst "
-        f"layer's error is {keras_['gradient_error']:.2%} (Keras), "
-        f"{adaptive['gradient_error']:.2%} (adaptive), "
-        f"{ours['gradient_error']:.2%} (per layer): float16's own rounding in "
-        "the forward and backward passes, which no scale removes; none of "
-        "them overflows, and next to nothing underflows.",
-        diagnosis(adaptive["monitor"], ours["monitor"]),
-        "- Step times are on this CPU, where float16 is emulated (slower "
-        "than float32) and other work shares the cores; on a GPU, float16 is "
-        "the fast path.",
+        gradient_line(results),
+        diagnosis(results["adaptive"]["monitor"], results["per_layer"]["monitor"]),
+        step_time_line(results),
     ])
+
+
+def step_numbers(skipped):
+    """The steps (from 1) flagged in `skipped`: "steps 1 to 7", "steps 1, 5"."""
+    steps = [i + 1 for i, s in enumerate(skipped) if s]
+    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]} to {steps[-1]}"
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps[:8])) + (
+        ", ..." if len(steps) > 8 else "")
+
+
+def skipped_line(results):
+    """The skipped steps, where they fell and why, as far as the run shows."""
+    keras_, ours = results["keras"], [results["adaptive"], results["per_layer"]]
+    said = {m: f"{results[m]['skipped']}" + (
+        f" ({step_numbers(results[m]['course']['skipped'])})" if results[m]["skipped"] else "")
+        for m in SHORT}
+    line = (f"- Skipped steps: Keras's optimizer skipped {said['keras']}, tas's "
+            f"adaptive {said['adaptive']} and tas per layer {said['per_layer']}")
+    if keras_["skipped"] and keras_["course"]["skipped"][0]:
+        line += (". Keras's starts at 2**15 and halves the scale on each overflow: "
+                 "this sum loss's gradients overflow float16 at 2**15")
+    if all(r["skipped"] < keras_["skipped"] for r in ours):
+        line += "; tas measures the gradients and goes to a scale that fits"
+    return line + "."
+
+
+def gradient_line(results):
+    """The float16 gradients against float32's, and what they lose."""
+    runs = {m: results[m] for m in SHORT}
+    errors = [r["gradient_error"] for r in runs.values()]
+    line = ("- Gradients against float32 at the trained weights: the worst layer's "
+            "error is " + ", ".join(f"{r['gradient_error']:.2%} ({SHORT[m]})"
+                                    for m, r in runs.items()))
+    if not np.all(np.isfinite(errors)):
+        return line + ": a gradient overflows float16 at the final scale."
+    if max(errors) < ROUNDING:
+        line += (": float16's own rounding in the forward and backward passes, which "
+                 "no scale removes")
+    underflow = max(r["underflow"] for r in runs.values())
+    return line + (f"; none overflows, and the most any layer loses to underflow is "
+                   f"{underflow:.2%} of its gradient values.")
+
+
+def step_time_line(results):
+    """The step times, or why the table has none."""
+    if not timed(results):
+        fewest = min(r["timed_steps"] for r in results.values())
+        return (f"- Step times are not compared: {fewest} full steps to time after the "
+                f"first {WARMUP_STEPS} (compiling, calibrating), fewer than {MIN_TIMED}; "
+                "run more steps (--epochs) to time them.")
+    base = results["float32"]["step_time"]
+    ratios = [results[m]["step_time"] / base for m in SHORT]
+    device = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+    line = (f"- Step times: the median of each run's full steps after its first "
+            f"{WARMUP_STEPS} (XLA compiles the step at the first), "
+            f"{min(r['timed_steps'] for r in results.values())} steps or more each: "
+            f"float32 {base * 1000:.1f} ms a step, float16 "
+            + ", ".join(f"{x:.2f}x ({SHORT[m]})" for x, m in zip(ratios, SHORT))
+            + f", on this {device}, one run each.")
+    if device == "CPU":
+        line += (" On a CPU, float16 is not the fast path it is on a GPU, and other "
+                 "work on the machine moves these figures from run to run.")
+    return line
 
 
 def accuracy_line(results):
@@ -314,13 +439,17 @@ def accuracy_line(results):
             "This run checks that the four ways train; for a comparison, run more "
             "steps (the default demo, or --epochs)."
         )
-    return (
+    line = (
         f"- Test accuracy {'ties' if spread < 0.01 else 'differs'}: within "
-        f"{spread:.3f} across the four (all above chance, 0.10 for ten digits). "
-        "At this size one global scale still fits every layer once found; "
-        "per-layer scales matter at larger sizes, where none does (a U-Net at "
-        "2**25 pixels per micro-batch, measured on a GPU)."
+        f"{spread:.3f} across the four (all above chance, 0.10 for ten digits)."
     )
+    monitor = results["adaptive"].get("monitor")
+    if monitor is not None and not monitor.flags:
+        # The one-scale run's monitor found a scale every layer fits.
+        line += (" At this size one global scale still fits every layer once found; "
+                 "per-layer scales matter at larger sizes, where none does (a U-Net at "
+                 "2**25 pixels per micro-batch, measured on a GPU).")
+    return line
 
 
 def diagnosis(monitor, per_layer_monitor):
@@ -348,8 +477,7 @@ def main(argv=None):
     parser.add_argument(
         "--quick", action="store_true",
         help=f"a short run: {QUICK_DIGITS[0]:,} training digits, one epoch "
-        f"({QUICK_DIGITS[0] // 64} steps at the default batch size), no XLA "
-        "(compiling takes longer than such a short run)",
+        f"({QUICK_DIGITS[0] // 64} steps at the default batch size)",
     )
     parser.add_argument("--epochs", type=int, default=None,
                         help="epochs (default 3; 1 with --quick)")
@@ -366,6 +494,9 @@ def main(argv=None):
         "and restore the clean image from a noisy one (per-pixel sum loss)."
     )
     began = time.perf_counter()
+    # A progress bar in a terminal; elsewhere (a log file, CI, a pipe), a line
+    # per epoch.
+    terminal = sys.stdout.isatty()
     try:
         data = load_digits(args.quick)
         keras.utils.set_random_seed(0)
@@ -374,13 +505,12 @@ def main(argv=None):
         results = {}
         for method in METHODS:
             model, base, opt, result = train(
-                method, weights, data, epochs, args.batch_size, args.out,
-                jit_compile=not args.quick,
-            )
+                method, weights, data, epochs, args.batch_size, args.out, terminal)
             result["loss"] = _final_loss(model, data)
             (result["accuracy"], result["image_error"], result["gradient_error"],
              result["underflow"]) = evaluate(model, base, opt, data)
             results[method] = result
+        compare = draw_compare(results, os.path.join(args.out, "compare.png"))
         report_dir = os.path.join(args.out, "report")
         tas.plot_report(os.path.join(args.out, "per_layer"), report_dir)
     finally:
@@ -392,13 +522,57 @@ def main(argv=None):
     print(layers_note(results["per_layer"]) + "\n")
     print(verdict(results))
     print(
-        f"\nPer-layer monitor report: {report_dir}/ (scales.png, gradient_norms.png, "
+        f"\nThe four ways compared: {compare} (the loss at each step, against steps "
+        "and against wall time; x: a skipped step).\n"
+        f"Per-layer monitor report: {report_dir}/ (scales.png, gradient_norms.png, "
         "histograms.png, loss_and_skips.png); its logs, for TensorBoard: "
         f"{os.path.join(args.out, 'per_layer')}/."
     )
     if log:
         print(f"TensorFlow's own log lines: {log}")
     print(f"Done in {time.perf_counter() - began:.0f} s.")
+
+
+def draw_compare(results, path):
+    """Writes `compare_figure(results)` to `path`; returns `path`."""
+    fig = compare_figure(results)
+    fig.savefig(path, metadata={"Title": fig.get_suptitle()})
+    return path
+
+
+def compare_figure(results):
+    """The picture that compares the four ways: each step's train loss
+    against steps and against wall time (from the start of its `fit`, XLA's
+    compiling included), an x at each skipped step."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    by_step, by_time = fig.subplots(1, 2, sharey=True)
+    losses = np.concatenate([r["course"]["loss"] for r in results.values()])
+    # float32, the reference, dashed and on top: a float16 run can match it.
+    styles = {"float32": ("black", "--", 3), "keras": ("tab:red", "-", 2),
+              "adaptive": ("tab:blue", "-", 2), "per_layer": ("tab:green", "-", 2)}
+    for method, r in results.items():
+        color, line, order = styles[method]
+        loss, skipped = np.asarray(r["course"]["loss"]), np.asarray(r["course"]["skipped"])
+        label = f"{METHODS[method]} ({r['skipped']} skipped)"
+        for ax, x in ((by_step, np.arange(1, len(loss) + 1)),
+                      (by_time, np.asarray(r["course"]["wall"]))):
+            ax.plot(x, loss, color=color, linestyle=line, linewidth=1.2, zorder=order,
+                    label=label)
+            ax.plot(x[skipped], loss[skipped], "x", color=color, markersize=8,
+                    markeredgewidth=2, zorder=4)
+    if losses.min() > 0 and losses.max() > report.LOG_LOSS_RATIO * losses.min():
+        by_step.set_yscale("log")
+    by_step.set(xlabel="step", ylabel="train loss at the step", title="against steps")
+    by_time.set(xlabel="wall time (s) since training began, compiling included",
+                title="against wall time", xlim=(0, None))
+    by_time.plot([], [], "x", color="grey", markersize=8, markeredgewidth=2,
+                 label="a skipped step")
+    fig.legend(*by_time.get_legend_handles_labels(), loc="outside lower center", ncols=3,
+               fontsize="small")
+    fig.suptitle("Four ways to train the demo's model: the train loss at each step")
+    return fig
 
 
 def _final_loss(model, data):
