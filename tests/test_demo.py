@@ -50,6 +50,14 @@ def test_quick_demo_prints_the_table_and_writes_the_report(tmp_path):
     assert "\r" not in out + proc.stderr
     assert len(out.splitlines()) < 60 and len(out) < 10_000, out
     assert "  epoch 1/1: loss " in out
+    # Each run's progress shows its scale as a scale (not a log2 that reads
+    # -24 as an error), per layer the range the table gives (the global
+    # scale, 1, read as "scaling off").
+    epochs = [line for line in out.splitlines() if line.startswith("  epoch 1/1: ")]
+    low, high = row.split("|")[2].strip().split(" to ")
+    assert f"lowest layer scale {low}, highest layer scale {high}," in epochs[3]
+    assert re.search(r", scale 2\*\*-?\d+, \d+ skipped", epochs[1]), epochs
+    assert "log2" not in "".join(epochs)
     # Step times: from steady steps (XLA, compiling left out), float16 within
     # 3x float32's (78-91x before, float16 without XLA on oneDNN); or no
     # column, and the verdict says why.

@@ -126,8 +126,8 @@ class Recorder(keras.callbacks.Callback):
         self.epoch_began = time.perf_counter()
         self.seen, self.mean = 0, 0.0
         if self.terminal:
-            self.bar = keras.utils.Progbar(len(self.sizes),
-                                           stateful_metrics=["loss", "log2 scale"])
+            self.bar = keras.utils.Progbar(len(self.sizes), stateful_metrics=[
+                "loss", "scale", "lowest layer scale", "highest layer scale"])
 
     def on_train_batch_begin(self, batch, logs=None):
         self.step_began = time.perf_counter()
@@ -147,24 +147,29 @@ class Recorder(keras.callbacks.Callback):
         self.skipped.append(applied == self.applied)
         self.applied = applied
         if self.terminal:
-            values = [("loss", mean)]
-            if self.scale() is not None:
-                values.append(("log2 scale", self.scale()))
-            self.bar.update(batch + 1, values)
+            self.bar.update(batch + 1, [("loss", mean)] + self.scales())
 
     def on_epoch_end(self, epoch, logs=None):
         if self.terminal:
             return
-        scale = "" if self.scale() is None else f", log2 scale {self.scale():g}"
+        scales = "".join(f", {name} 2**{np.log2(value):g}" for name, value in self.scales())
         print(f"  epoch {epoch + 1}/{self.params['epochs']}: loss {self.mean:.3f}"
-              f"{scale}, {sum(self.skipped)} skipped steps so far, "
+              f"{scales}, {sum(self.skipped)} skipped steps so far, "
               f"{time.perf_counter() - self.epoch_began:.1f} s", flush=True)
 
-    def scale(self):
-        """log2 of the one loss scale, where there is one."""
-        if hasattr(self.opt, "dynamic_scale") and not _per_layer(self.opt):
-            return float(np.log2(np.asarray(self.opt.dynamic_scale)))
-        return None
+    def scales(self):
+        """`(name, value)`: the loss scale itself (a power of two; 2**-24
+        is a scale below 1, not an error), or per layer the range of the
+        scales of the layers with weights, as the table and the monitor give
+        it (the global one stays 1); none in float32."""
+        if _per_layer(self.opt):
+            layers = [2.0 ** log2 for entry in self.opt.gradient_scales() if entry
+                      for log2 in entry[1:]]
+            return [("lowest layer scale", min(layers)),
+                    ("highest layer scale", max(layers))] if layers else []
+        if hasattr(self.opt, "dynamic_scale"):
+            return [("scale", float(np.asarray(self.opt.dynamic_scale)))]
+        return []
 
     def timed(self):
         """The steps' own times that the table compares: full batches after
