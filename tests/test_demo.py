@@ -1,6 +1,7 @@
 """The demo (the README's first command) at its quick size, and its
 verdict's parts."""
 
+import os
 import re
 
 import pytest
@@ -69,6 +70,14 @@ def test_quick_demo_prints_the_table_and_writes_the_report(tmp_path):
         assert f"the median of each run's full steps after its first {demo.WARMUP_STEPS}" in out
     else:
         assert "- Step times are not compared" in out
+    # The README's start-up claim is what the demo shows (the quick run
+    # skips as the default one does).
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    claimed = re.search(r"Keras's skips (\d+) on the demo \(it starts at\s+2\^15\), the default "
+                        r"mode (\d+), per layer (\d+)", readme)
+    skipped = [line.split("|")[6].strip() for line in out.splitlines()
+               if line.startswith("| float16")]
+    assert claimed and list(claimed.groups()) == skipped, (claimed, skipped)
     # The picture that compares the four ways, named first.
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert out.index(f"The four ways compared: {tmp_path / 'compare.png'}") < out.index(
