@@ -204,8 +204,9 @@ class ScaleMonitor(keras.callbacks.Callback):
         history = getattr(self.model, "history", None)
         if self.per_layer_logs or not isinstance(history, keras.callbacks.History):
             return
+        in_logs = monitor_log.progress_keys(record)
         for key, value in monitor_log.scalars(record, per_layer=True, fresh=fresh).items():
-            if key not in monitor_log.progress_keys(record):
+            if key not in in_logs:
                 history.history.setdefault(key, []).append(value)
 
     # Reports that find no new measurement (`every_n_steps` counts batches,

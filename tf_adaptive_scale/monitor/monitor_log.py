@@ -268,6 +268,8 @@ def progress_keys(record):
 def _per_layer(record):
     mode = scale_policy.MODES.get(record.scaling)
     return mode is not None and mode.per_layer and bool(record.layers)
+
+
 # The figures of a layer read at the report; its others are measured.
 CURRENT_LAYER_FIELDS = ("scale",)
 MEASURED_TOTALS = ("scale/grad_norm", "scale/underflow", "scale/zero_fraction")

@@ -300,9 +300,9 @@ def split_tables(pairs, policy):
         `(pairs, tables)`: the other pairs, and `(statistics, ScaleTable)`
         pairs.
     """
-    tables = [(g, boundary.table_of_statistics(v)) for g, v in pairs
-              if boundary.table_of_statistics(v) is not None]
-    rest = [p for p in pairs if boundary.table_of_statistics(p[1]) is None]
+    owners = [boundary.table_of_statistics(v) for _, v in pairs]
+    tables = [(g, t) for (g, _), t in zip(pairs, owners) if t is not None]
+    rest = [p for p, t in zip(pairs, owners) if t is None]
     if policy is not None and policy.per_layer and not tables:
         raise ValueError(
             "scaling='per_layer' needs the gradients of a model made by "

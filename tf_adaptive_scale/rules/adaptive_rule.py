@@ -114,7 +114,8 @@ def underflow_fraction(histogram, log2_scale, zeros=0.0):
         histogram: Exponent histogram(s) of unscaled values, shape
             `(..., NUM_BINS)`.
         log2_scale: Integer-valued exponent(s) of the scale, shape `(...)`.
-        zeros: Exact zeros among the values (`gradient_statistics.grouped_statistics`'s `zeros`), counted as
+        zeros: Exact zeros among the values (the `zeros` of
+            `gradient_statistics.grouped_statistics`), counted as
             underflowed: float16 cannot tell a value lost to underflow from
             a true zero, and hiding them would hide the loss.
 

@@ -444,7 +444,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             apply_fn(applied, lambda grads: transform(grads)[1])
             if commit_clipping is not None:
                 commit_clipping()
-                self._clipping_state.clipped_steps.assign_add(ops.cast(acted, backends.COUNTER_DTYPE))
+                self._clipping_state.clipped_steps.assign_add(
+                    ops.cast(acted, backends.COUNTER_DTYPE))
 
         def on_non_finite():
             self._step_state.skipped_steps.assign_add(1)
@@ -494,16 +495,18 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if f"{_KERAS}0" not in keys:
             self._load_by_position(store)
             return
-        inner = list(self.inner_optimizer.variables)
-        if sum(k.startswith(_INNER) for k in keys) != len(inner):
-            warnings.warn(
-                f"Skipping variable loading for optimizer '{self.name}': its inner "
-                f"optimizer has {len(inner)} variables, the file another number "
-                "(another inner optimizer, or the optimizer is not built).",
-                stacklevel=2,
-            )
-            return
-        for prefix, variables in ((_KERAS, self._keras_own()), (_INNER, inner)):
+        by_position = ((_KERAS, self._keras_own()), (_INNER, list(self.inner_optimizer.variables)))
+        for prefix, variables in by_position:
+            held = sum(k.startswith(prefix) for k in keys)
+            if held != len(variables):
+                warnings.warn(
+                    f"Skipping variable loading for optimizer '{self.name}': it has "
+                    f"{len(variables)} `{prefix}` variables and the file {held} (another "
+                    "inner optimizer or learning rate, or the optimizer is not built).",
+                    stacklevel=2,
+                )
+                return
+        for prefix, variables in by_position:
             for i, variable in enumerate(variables):
                 variable.assign(store[f"{prefix}{i}"])
         for name, variable in self._state.by_name().items():
@@ -612,7 +615,8 @@ class AdaptiveLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         state = self._step_state
         return measurement.read(
             self._measurement, self.dynamic_scale, state.total_steps, state.skipped_steps,
-            state.last_loss_finite, self._clipping_state.clipped_steps, self.policy, self.gradient_scales(),
+            state.last_loss_finite, self._clipping_state.clipped_steps, self.policy,
+            self.gradient_scales(),
         )
 
     def gradient_scales(self):
